@@ -1,0 +1,28 @@
+"""pagedserve: high-throughput LLM inference with PagedAttention and vLLM's interfaces."""
+
+from typing import Any
+
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # LLM pulls in torch and transformers; import it lazily so that the torch-free parts
+    # (kv_cache, scheduler) stay light to import.
+    if name == "LLM":
+        from pagedserve.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -1,0 +1,93 @@
+"""Reference attention over the paged KV cache in plain PyTorch (CPU and GPU)."""
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Store each new token's K and V at its slot (`block_id * block_size + offset`)."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    key_cache.index_copy_(0, slots, key[valid].to(kv_cache.dtype))
+    value_cache.index_copy_(0, slots, value[valid].to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    max_seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_reqs, max_seq_len, num_kv_heads, head_dim]
+    """Read each request's K/V through its block table, padded to `max_seq_len` positions."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    positions = torch.arange(max_seq_len, device=kv_cache.device)
+    num_blocks_needed = (max_seq_len + block_size - 1) // block_size
+    blocks = block_tables[:, :num_blocks_needed].long()
+    slots = blocks[:, positions // block_size] * block_size + positions % block_size
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    return key_cache[slots], value_cache[slots]
+
+
+class TorchAttentionBackend:
+    """Gather through block tables, then `scaled_dot_product_attention` with a mask.
+
+    All requests of the step go through one padded SDPA call: queries are padded to
+    `max_query_len` and keys to `max_seq_len`, and a mask keeps each query token to the keys
+    at positions <= its own, inside its own request. It is the ground truth for the Triton
+    kernels; it favours clarity over speed.
+    """
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        attn_metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        md = attn_metadata
+        write_kv_cache(key, value, kv_cache, md.slot_mapping)
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key.shape[1]
+        device = query.device
+
+        # Row (request) and column (index among its new tokens) of every flat token.
+        query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]  # [num_reqs]
+        req_indices = torch.repeat_interleave(
+            torch.arange(md.num_reqs, device=device), query_lens, output_size=num_tokens
+        )
+        token_cols = torch.arange(num_tokens, device=device) - md.query_start_loc[req_indices]
+
+        padded_query = query.new_zeros(md.num_reqs, md.max_query_len, num_heads, head_dim)
+        padded_query[req_indices, token_cols] = query
+        keys, values = gather_kv(kv_cache, md.block_tables, md.max_seq_len)
+
+        # Query i of request r sits at position seq_len - query_len + i; it sees keys <= that.
+        cols = torch.arange(md.max_query_len, device=device)
+        query_positions = (md.seq_lens - query_lens)[:, None] + cols[None, :]  # [R, Q]
+        key_positions = torch.arange(md.max_seq_len, device=device)
+        mask = key_positions[None, None, :] <= query_positions[:, :, None]  # [R, Q, S]
+        mask[:, :, 0] = True  # padded query rows would otherwise be all-masked (NaN)
+
+        out = F.scaled_dot_product_attention(
+            padded_query.transpose(1, 2),  # [R, H, Q, D]
+            keys.transpose(1, 2).to(query.dtype),  # [R, Hkv, S, D]
+            values.transpose(1, 2).to(query.dtype),
+            attn_mask=mask[:, None, :, :],
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        return out.transpose(1, 2)[req_indices, token_cols]  # [num_tokens, H, D]

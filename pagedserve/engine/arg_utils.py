@@ -1,0 +1,206 @@
+"""EngineArgs: the flat list of user-facing engine options (vLLM's names) -> EngineConfig."""
+
+import json
+import os
+from dataclasses import dataclass, fields
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from pagedserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from pagedserve.errors import UnsupportedModelError
+
+DEFAULT_MODEL = str(files("pagedserve.assets") / "stories260k")
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Options of `LLM(...)`, `LLMEngine` and the CLI, named as vLLM's `EngineArgs`.
+
+    See the config dataclasses in `pagedserve.config` for each field's meaning.
+    """
+
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    device: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def create_engine_config(self) -> EngineConfig:
+        """Load the model's config.json and resolve defaults.
+
+        Raises UnsupportedModelError (a ValueError) when the folder or its config is missing,
+        and ValueError when an option is out of range (naming the option and the limit).
+        """
+        hf_config = load_hf_config(self.model)
+        model_max_len = get_model_max_len(hf_config)
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's context length "
+                f"({model_max_len}, from config.json)"
+            )
+        max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({max_model_len}); enable chunked prefill or raise the budget"
+            )
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer or self.model,
+            dtype=self.dtype,
+            max_model_len=max_model_len,
+            load_format=self.load_format,
+            seed=self.seed,
+            hf_config=hf_config,
+            eos_token_ids=read_eos_token_ids(self.model, hf_config),
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            device_config=DeviceConfig(
+                device=self.device,
+                attention_backend=self.attention_backend,
+                enforce_eager=self.enforce_eager,
+            ),
+        )
+
+
+def load_hf_config(model: str) -> Any:
+    """transformers' config of a local model folder; raises UnsupportedModelError if absent."""
+    from transformers import AutoConfig
+
+    from pagedserve.models.registry import SUPPORTED_ARCHITECTURES
+
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise UnsupportedModelError(
+            f"model folder {model!r} {what}; pagedserve loads local Hugging Face folders "
+            f"(config.json + *.safetensors) of these architectures: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    return AutoConfig.from_pretrained(model, local_files_only=True)
+
+
+def get_model_max_len(hf_config: Any) -> int:
+    """The model's context length from its config (`max_position_embeddings` or `n_positions`)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def read_eos_token_ids(model: str, hf_config: Any) -> tuple[int, ...]:
+    """EOS ids from generation_config.json and config.json (either may hold a list)."""
+    ids: list[int] = []
+    generation_config = os.path.join(model, "generation_config.json")
+    sources: list[Any] = []
+    if os.path.isfile(generation_config):
+        with open(generation_config) as f:
+            sources.append(json.load(f).get("eos_token_id"))
+    sources.append(getattr(hf_config, "eos_token_id", None))
+    for source in sources:
+        for token_id in source if isinstance(source, list) else [source]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
+
+
+_FLAG_HELP = {
+    "model": "local Hugging Face model folder (default: the bundled stories260k)",
+    "tokenizer": "tokenizer folder (default: the model folder)",
+    "dtype": "auto, float32, float16 or bfloat16",
+    "seed": "random seed of the engine",
+    "max_model_len": "longest prompt + output in tokens (default: the model's context)",
+    "load_format": "auto/safetensors (read weights) or dummy (random weights)",
+    "block_size": "tokens per KV cache block (a power of two)",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
+    "kv_cache_memory_bytes": "bytes of KV cache (overrides automatic sizing)",
+    "num_gpu_blocks_override": "exact number of KV cache blocks",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one engine step",
+    "enable_chunked_prefill": "split long prompts over several steps",
+    "tensor_parallel_size": "number of tensor-parallel ranks",
+    "distributed_executor_backend": "mp or ray (tensor parallelism)",
+    "device": "auto, cpu, cuda or cuda:N",
+    "attention_backend": "auto, torch or triton",
+    "enforce_eager": "never use CUDA graphs",
+}
+
+
+def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
+    """Add one `--flag-name` per EngineArgs field (vLLM's spelling) to an argparse parser."""
+    import argparse
+
+    defaults = EngineArgs()
+    for f in fields(EngineArgs):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        help_text = f"{_FLAG_HELP.get(f.name, '')} (default: %(default)s)"
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+            continue
+        kind = type(default) if default is not None else _optional_type(f.type)
+        parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def _optional_type(annotation: Any) -> Any:
+    text = str(annotation)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def engine_args_from_namespace(namespace: Any) -> EngineArgs:
+    values = {name: getattr(namespace, name) for name in EngineArgs.field_names()
+              if hasattr(namespace, name)}
+    return EngineArgs(**values)

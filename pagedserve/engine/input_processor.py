@@ -1,0 +1,98 @@
+"""InputProcessor: tokenize and validate a prompt, resolving its sampling parameters."""
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pagedserve.errors import InvalidRequestError
+from pagedserve.sampling_params import SamplingParams
+
+# A prompt as vLLM accepts it: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
+PromptType = Union[str, Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # with the model's EOS ids filled in
+    max_tokens: int  # resolved (never None)
+
+
+class InputProcessor:
+    """Turns user prompts into token ids and checks them against the model's limits."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        ids = list(eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            if tokenizer.eos_token_id not in ids:
+                ids.append(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(ids)
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        """Raises InvalidRequestError (a ValueError) for an empty prompt, token ids outside
+        the vocabulary, or a prompt (+ max_tokens) longer than max_model_len."""
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        num_prompt_tokens = len(token_ids)
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt ({num_prompt_tokens} tokens) is too long: it must be shorter than "
+                f"max_model_len ({self.max_model_len}) to leave room for one output token"
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt_tokens
+        elif num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len}); "
+                f"shorten the prompt or lower max_tokens"
+            )
+        for token_id in params.stop_token_ids or []:
+            if token_id >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"stop_token_ids contains {token_id}, outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        resolved = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
+        return ProcessedPrompt(text, token_ids, resolved, max_tokens)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                token_ids = prompt["prompt_token_ids"]
+                if not isinstance(token_ids, list | tuple) or not all(
+                    isinstance(t, int) for t in token_ids
+                ):
+                    raise InvalidRequestError("prompt_token_ids must be a list of ints")
+                return prompt.get("prompt"), list(token_ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self._encode(prompt["prompt"])
+        raise InvalidRequestError(
+            "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; pass prompt_token_ids")
+        return list(self.tokenizer.encode(text))

@@ -1,0 +1,186 @@
+"""OutputProcessor: detokenize step outputs, apply stop strings, build RequestOutputs."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.engine.detokenizer import IncrementalDetokenizer, decode_token_for_logprob
+from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.scheduler import EngineCoreOutput
+
+
+@dataclass(slots=True)
+class _SequenceState:
+    """One of a request's n sequences (one engine-core request)."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # for DELTA outputs
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_SequenceState]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finished for seq in self.sequences)
+
+
+class OutputProcessor:
+    """Keeps the user-facing state of each request: text, logprobs, finish reasons.
+
+    A request with `n > 1` runs as n engine-core requests (`child_request_id`); their outputs
+    are gathered here into one RequestOutput with n CompletionOutputs.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+    ) -> None:
+        sequences = []
+        for index, child_id in enumerate(child_ids):
+            detokenizer = None
+            if params.detokenize and self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    stop=params.stop_strings,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+            state = _SequenceState(index, detokenizer)
+            if params.logprobs is not None:
+                state.logprobs, state.cumulative_logprob = [], 0.0
+            sequences.append(state)
+            self.child_to_parent[child_id] = (request_id, index)
+        self.requests[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, params, sequences
+        )
+
+    def child_ids(self, request_id: str) -> list[str]:
+        return [c for c, (parent, _) in self.child_to_parent.items() if parent == request_id]
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its engine-core ids still to abort."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        children = self.child_ids(request_id)
+        for child_id in children:
+            del self.child_to_parent[child_id]
+        return children
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs. Returns the RequestOutputs to hand out and the
+        engine-core request ids that a stop string finished (the scheduler must stop them)."""
+        stopped: list[str] = []
+        touched: dict[str, _RequestState] = {}
+        for output in outputs:
+            parent = self.child_to_parent.get(output.request_id)
+            if parent is None:
+                continue
+            state = self.requests[parent[0]]
+            seq = state.sequences[parent[1]]
+            state.num_cached_tokens = output.num_cached_tokens
+            if self._update_sequence(seq, output):
+                stopped.append(output.request_id)
+            if seq.finished:
+                del self.child_to_parent[output.request_id]
+            touched[state.request_id] = state
+        request_outputs = []
+        for state in touched.values():
+            request_output = self._make_output(state)
+            if request_output is not None:
+                request_outputs.append(request_output)
+            if state.finished:
+                del self.requests[state.request_id]
+        return request_outputs, stopped
+
+    def _update_sequence(self, seq: _SequenceState, output: EngineCoreOutput) -> bool:
+        """Returns True when a stop string ended the sequence."""
+        seq.token_ids.extend(output.new_token_ids)
+        if seq.logprobs is not None and output.logprobs is not None:
+            data = output.logprobs
+            entry = {}
+            for rank, (token_id, logprob) in enumerate(
+                zip(data.token_ids[1:], data.logprobs[1:], strict=True), start=1
+            ):
+                entry[token_id] = Logprob(logprob, rank, self._token_text(token_id))
+            entry[data.token_ids[0]] = Logprob(
+                data.logprobs[0], data.sampled_rank, self._token_text(data.token_ids[0])
+            )
+            seq.logprobs.append(entry)
+            assert seq.cumulative_logprob is not None
+            seq.cumulative_logprob += data.logprobs[0]
+        seq.finish_reason, seq.stop_reason = output.finish_reason, output.stop_reason
+        if seq.detokenizer is not None:
+            stop_string = seq.detokenizer.update(output.new_token_ids)
+            if stop_string is not None and output.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_string
+                return True
+        return False
+
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return decode_token_for_logprob(self.tokenizer, token_id)
+
+    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = []
+        for seq in state.sequences:
+            start = seq.num_sent_tokens if delta else 0
+            text = ""
+            if seq.detokenizer is not None:
+                text = seq.detokenizer.get_next_output_text(seq.finished, delta)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=seq.token_ids[start:],
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+            seq.num_sent_tokens = len(seq.token_ids)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+        )

@@ -1,0 +1,62 @@
+"""The `pagedserve` command line: `generate` (offline) and, later, `serve`."""
+
+import argparse
+import logging
+import sys
+
+from pagedserve.engine.arg_utils import add_engine_args, engine_args_from_namespace
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.sampling_params import SamplingParams
+
+    llm = LLM.from_engine_args(engine_args_from_namespace(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=args.stop or None,
+    )
+    prompts = args.prompt or ["Once upon a time"]
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        completion = output.outputs[0]
+        print(f"--- prompt: {output.prompt!r} ({completion.finish_reason}, "
+              f"{len(completion.token_ids)} tokens)")
+        print((output.prompt or "") + completion.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve",
+        description="High-throughput LLM inference with PagedAttention (vLLM-compatible).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for prompts offline",
+        description="Generate continuations of prompts with the offline engine.",
+    )
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    gen.add_argument("--stop", action="append", help="a stop string (repeat for several)")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

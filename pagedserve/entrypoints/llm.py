@@ -1,0 +1,136 @@
+"""LLM: the offline API (`generate`, `chat`) over an in-process LLMEngine, as in vLLM."""
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from pagedserve.engine.input_processor import PromptType
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import InvalidRequestError
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text for batches of prompts with continuous batching (vLLM's `LLM`).
+
+    Keyword arguments are `EngineArgs` fields (`dtype`, `seed`, `max_model_len`, `block_size`,
+    `max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory_bytes`,
+    `enable_prefix_caching`, `load_format`, ...). `model` defaults to the bundled
+    stories260k model. Raises ValueError for unknown or out-of-range options.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise ValueError(
+                f"unknown LLM option(s) {sorted(unknown)}; known: {EngineArgs.field_names()}"
+            )
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine.from_engine_args(engine_args)
+        llm._request_counter = itertools.count()
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        prompts: a string, {"prompt_token_ids": [...]}, or a list of either.
+        sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
+        Raises ValueError on bad input before any request starts.
+        """
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or `chat_template`) and generate.
+
+        messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+        Raises ValueError when the tokenizer has no chat template and none is given.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template; pass chat_template=... "
+                "or use generate() with a plain prompt"
+            )
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+            )
+            # The template already holds any BOS: do not add special tokens a second time.
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        return self._run(prompts, params_list, use_tqdm)
+
+    def _params_per_prompt(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num
+        params_list = list(sampling_params)
+        if len(params_list) != num:
+            raise ValueError(
+                f"got {len(params_list)} SamplingParams for {num} prompts; "
+                "give one, or one per prompt"
+            )
+        return params_list
+
+    def _run(
+        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = str(next(self._request_counter))
+                final = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(request_id, prompt, final)
+                request_ids.append(request_id)
+        except Exception:
+            engine.abort_request(request_ids)  # nothing half-submitted stays behind
+            raise
+        outputs: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        outputs[output.request_id] = output
+                        bar.update(1)
+        return [outputs[request_id] for request_id in request_ids]

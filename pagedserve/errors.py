@@ -1,0 +1,24 @@
+"""Typed errors of the engine; the server maps them to HTTP status codes."""
+
+
+class PagedServeError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(PagedServeError, ValueError):
+    """Bad user input (prompt too long, invalid sampling parameters, ...). HTTP 400.
+
+    Subclasses `ValueError` so that offline users can catch the usual Python error.
+    """
+
+
+class EngineOverloadedError(PagedServeError):
+    """The engine cannot take more requests now. HTTP 429."""
+
+
+class EngineDeadError(PagedServeError):
+    """The engine loop or a worker died; in-flight requests cannot finish. HTTP 503."""
+
+
+class UnsupportedModelError(PagedServeError, ValueError):
+    """The model folder is missing or names an architecture we do not implement."""

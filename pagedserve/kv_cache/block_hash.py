@@ -1,0 +1,40 @@
+"""Chained block hashes: equal hashes mean equal token prefixes up to the end of a block."""
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+ROOT_HASH: BlockHash = b"pagedserve-root"
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b""
+) -> BlockHash:
+    """SHA-256 of (parent hash, this block's token ids, extra keys such as a LoRA id).
+
+    A cryptographic hash makes collisions (which would silently give wrong K/V) negligible,
+    so a hit needs no token-by-token verification.
+    """
+    digest = hashlib.sha256(parent_hash)
+    digest.update(array("q", token_ids).tobytes())
+    digest.update(extra_keys)
+    return digest.digest()
+
+
+def hash_request_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    known: list[BlockHash],
+    extra_keys: bytes = b"",
+) -> list[BlockHash]:
+    """Extend `known` (hashes of the first full blocks) to every full block of `token_ids`."""
+    num_full_blocks = len(token_ids) // block_size
+    parent = known[-1] if known else ROOT_HASH
+    for i in range(len(known), num_full_blocks):
+        parent = hash_block_tokens(
+            parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys
+        )
+        known.append(parent)
+    return known

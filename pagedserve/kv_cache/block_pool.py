@@ -1,0 +1,109 @@
+"""KVCacheBlock and BlockPool: reference counts, an LRU free queue and the prefix-cache index."""
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagedserve.kv_cache.block_hash import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """One block of `block_size` token slots, in every layer's K and V cache."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None  # set while the block is in the prefix-cache index
+
+
+class BlockPool:
+    """All KV cache blocks. A block is free iff its `ref_cnt` is 0; free blocks wait in
+    `free_queue` in LRU order (least recently freed first) and keep their cached content
+    until they are handed out again, which is when their hash leaves the index.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (block.block_id, block) for block in self.blocks
+        )
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take the least recently freed blocks. Callers check `num_free_blocks` first."""
+        assert num_blocks <= self.num_free_blocks, (num_blocks, self.num_free_blocks)
+        blocks = [self.free_queue.popitem(last=False)[1] for _ in range(num_blocks)]
+        for block in blocks:
+            self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a reference to prefix-cache hits, taking free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks_tail_first: Iterable[KVCacheBlock]) -> None:
+        """Drop a reference. Tail-first order makes a request's tail evict before its prefix."""
+        for block in blocks_tail_first:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block  # keeps its content until reused
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Index a block that just became full. If another block already holds the same
+        content (two requests computed it at once), the index keeps the first one."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            block.block_hash = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request references."""
+        for block in self.free_queue.values():
+            self._evict(block)
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
+    def check_invariants(self, block_tables: Iterable[list[KVCacheBlock]]) -> None:
+        """Raise AssertionError unless the pool is consistent with the given block tables:
+        free + used == total; each ref count equals the number of tables holding the block;
+        no block is both free and referenced; the hash index points at blocks with that hash."""
+        holders = [0] * self.num_blocks
+        for table in block_tables:
+            for block in table:
+                holders[block.block_id] += 1
+        for block in self.blocks:
+            assert block.ref_cnt == holders[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]}"
+            )
+            in_free_queue = block.block_id in self.free_queue
+            assert in_free_queue == (block.ref_cnt == 0), f"block {block.block_id} free state"
+        num_used = sum(1 for block in self.blocks if block.ref_cnt > 0)
+        assert num_used + self.num_free_blocks == self.num_blocks
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"index points at block {block.block_id}"

@@ -1,0 +1,47 @@
+"""The attention layer: owns its slice of the KV cache and calls the attention backend."""
+
+import torch
+from torch import nn
+
+from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged multi-head attention with grouped-query support (arXiv:2305.13245).
+
+    The model runner binds `kv_cache` (this layer's [2, num_blocks, block_size,
+    num_kv_heads, head_dim] view) and `backend` before the first forward.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        assert self.kv_cache is not None and self.backend is not None, "KV cache not bound"
+        num_tokens = query.shape[0]
+        out = self.backend.forward(
+            query.view(num_tokens, self.num_heads, self.head_dim),
+            key.view(num_tokens, self.num_kv_heads, self.head_dim),
+            value.view(num_tokens, self.num_kv_heads, self.head_dim),
+            self.kv_cache,
+            attn_metadata,
+            self.scale,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -1,0 +1,39 @@
+"""RMSNorm with an optional fused residual add (LayerNorm models use torch's nn.LayerNorm)."""
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (arXiv:1910.07467), computed in float32 as in HF Llama.
+
+    `forward(x)` returns the normalized x. `forward(x, residual)` first adds: with
+    s = x + residual it returns (norm(s), s), the new residual stream (vLLM's fused form).
+    Works on any [..., hidden_size] input, e.g. per-head q/k norms on [num_tokens, H, D].
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def _norm(
+        self,
+        x: torch.Tensor,  # [..., hidden_size] float
+    ) -> torch.Tensor:  # [..., hidden_size], dtype of x
+        input_dtype = x.dtype
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        x32 = x32 * torch.rsqrt(variance + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., hidden_size] float
+        residual: torch.Tensor | None = None,  # [..., hidden_size], dtype of x
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,254 @@
+"""Llama 2/3 and Mistral decoder-only models on paged attention (also the base of Qwen2/Qwen3)."""
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.errors import UnsupportedModelError
+from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.attention import Attention
+from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    get_weight_loader,
+)
+from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding, get_rope
+
+
+def get_head_dim(hf_config: Any) -> int:
+    """`head_dim` from the config when given, else hidden_size / num_attention_heads."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def check_full_attention(hf_config: Any) -> None:
+    """Raise NotImplementedError if the config asks for sliding-window attention.
+
+    A window of None, or one at least max_position_embeddings wide, is full attention. Qwen2
+    and Qwen3 configs keep a `sliding_window` value but switch it off with
+    `use_sliding_window: false` (and, in transformers >= 5, list their `layer_types`).
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    if not getattr(hf_config, "use_sliding_window", True):
+        window = None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
+    if window is not None and window < hf_config.max_position_embeddings:
+        raise NotImplementedError(
+            f"sliding-window attention (sliding_window={window} < max_position_embeddings="
+            f"{hf_config.max_position_embeddings}) is not supported yet"
+        )
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused qkv_proj -> RoPE -> paged attention -> o_proj."""
+
+    def __init__(self, hf_config: Any, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        qkv_bias, o_proj_bias = self.projection_biases(hf_config)
+        self.head_dim = get_head_dim(hf_config)
+        self.qkv_proj = QKVParallelLinear(
+            hf_config.hidden_size,
+            self.head_dim,
+            hf_config.num_attention_heads,
+            getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+            bias=qkv_bias,
+        )
+        self.num_heads = self.qkv_proj.num_heads  # on this rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads  # on this rank
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size, o_proj_bias
+        )
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    @classmethod
+    def projection_biases(cls, hf_config: Any) -> tuple[bool, bool]:
+        """(qkv_proj has bias, o_proj has bias); Llama uses `attention_bias` for both."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return bias, bias
+
+    def split_qkv(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size] float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [T, q_size], [T, kv_size] x 2
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size] float
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size] float
+        q, k, v = self.split_qkv(self.qkv_proj(hidden_states))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x)), gate/up fused."""
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        hidden_act = getattr(hf_config, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported; use 'silu'")
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        intermediate_size = hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hf_config.hidden_size, [intermediate_size, intermediate_size], bias=bias
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hf_config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size] float
+    ) -> torch.Tensor:  # [num_tokens, hidden_size] float
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; carries the residual stream separately so norms can fuse the add."""
+
+    def __init__(
+        self, hf_config: Any, rotary_emb: RotaryEmbedding, attention_cls: type[LlamaAttention]
+    ) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(hf_config, rotary_emb)
+        self.mlp = LlamaMLP(hf_config)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size] float
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size] float; None in layer 0
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (hidden_states, residual), both [T, hidden_size]
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, hf_config: Any, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        check_full_attention(hf_config)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        rotary_emb = get_rope(hf_config, get_head_dim(hf_config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, rotary_emb, attention_cls)
+            for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size] float
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3 (GQA, RoPE scaling, tied or untied embeddings) for paged inference.
+
+    Checkpoint names map onto fused modules: q/k/v_proj -> qkv_proj, gate/up_proj ->
+    gate_up_proj (`stacked_params_mapping`); everything else keeps its HF name.
+    """
+
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    # (our parameter name part, checkpoint name part, shard id)
+    stacked_params_mapping: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    )
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, self.attention_cls)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size] float, final norm applied
+        hidden_states: torch.Tensor = self.model(input_ids, positions, attn_metadata)
+        return hidden_states
+
+    def compute_logits(
+        self,
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size] float
+    ) -> torch.Tensor:  # [num_tokens, vocab_size] float32
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named checkpoint tensors; returns the names of our parameters loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for checkpoint_name, tensor in weights:
+            if "rotary_emb.inv_freq" in checkpoint_name:
+                continue  # a buffer some old checkpoints saved; we recompute it
+            name = checkpoint_name
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                name = "model.embed_tokens.weight"  # the same tensor when tied
+            for param_part, checkpoint_part, shard_id in self.stacked_params_mapping:
+                if checkpoint_part in name:
+                    name = name.replace(checkpoint_part, param_part)
+                    param = _param(params, name, checkpoint_name)
+                    get_weight_loader(param)(param, tensor, shard_id)
+                    break
+            else:
+                param = _param(params, name, checkpoint_name)
+                get_weight_loader(param)(param, tensor)
+            loaded.add(name)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama architecture; sliding-window configs are refused (see
+    `check_full_attention`)."""
+
+
+def _param(params: dict[str, nn.Parameter], name: str, checkpoint_name: str) -> nn.Parameter:
+    """Look up a parameter; a checkpoint tensor with no home means the wrong architecture."""
+    if name not in params:
+        raise UnsupportedModelError(
+            f"checkpoint tensor {checkpoint_name!r} matches no model parameter (looked for "
+            f"{name!r}); does config.json's architecture match the weights?"
+        )
+    return params[name]

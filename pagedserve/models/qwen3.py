@@ -1,0 +1,38 @@
+"""Qwen3: the Llama architecture with per-head RMSNorm on q and k before RoPE."""
+
+from typing import Any, ClassVar
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    """Llama attention plus q_norm/k_norm, each an RMSNorm over head_dim shared by all heads."""
+
+    def __init__(self, hf_config: Any, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__(hf_config, rotary_emb)
+        self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size] float
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size] float
+        q, k, v = self.split_qkv(self.qkv_proj(hidden_states))
+        num_tokens = q.shape[0]
+        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q.view(num_tokens, -1), k.view(num_tokens, -1))
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 dense causal LM; weights load as Llama's (q_norm/k_norm keep their HF names)."""
+
+    attention_cls: ClassVar[type[LlamaAttention]] = Qwen3Attention

@@ -1,0 +1,223 @@
+"""Scheduler: continuous batching under a token budget, with prefix hits and preemption."""
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.request import FINISH_REASONS, Request, RequestStatus
+from pagedserve.step import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SampleLogprobsData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request: its new token and, if it ended, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: SampleLogprobsData | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    token_budget: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[tuple[Request, int, list[int]]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    def add(self, request: Request, num_new_tokens: int, new_block_ids: list[int]) -> None:
+        self.scheduled.append((request, num_new_tokens, new_block_ids))
+        self.token_budget -= num_new_tokens
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each feeds the model.
+
+    There are no phases: running requests (oldest first) catch up their uncomputed tokens,
+    then waiting requests are admitted, each first taking its prefix-cache hits. A prompt
+    longer than the remaining budget is chunked. When a running request cannot get a block,
+    the newest running request is preempted: its blocks are freed and it is recomputed later
+    (its tokens so far are kept). `num_computed_tokens` advances when tokens are scheduled,
+    as in vLLM v1. Imports no torch.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to tell the workers at the next step
+        self.num_preemptions_total = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); frees their blocks."""
+        assert status.is_finished
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # already finished
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: spend `max_num_batched_tokens` on running, then waiting requests."""
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if plan.num_preempted == 0:
+            self._schedule_waiting(plan)
+        scheduled_requests = []
+        for request, num_new_tokens, new_block_ids in plan.scheduled:
+            start = request.num_computed_tokens
+            request.num_computed_tokens += num_new_tokens
+            scheduled_requests.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids[start : start + num_new_tokens],
+                    num_computed_tokens=start,
+                    new_block_ids=new_block_ids,
+                    sample=request.num_computed_tokens == request.num_tokens,
+                )
+            )
+        finished_ids, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(plan.new_requests, scheduled_requests, finished_ids)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        i = 0
+        while i < len(self.running) and plan.token_budget > 0:
+            request = self.running[i]
+            num_new_tokens = min(request.num_uncomputed_tokens, plan.token_budget)
+            if num_new_tokens == 0:  # waits for a token of the step in flight
+                i += 1
+                continue
+            while (new_block_ids := self.kv_cache.allocate_slots(request, num_new_tokens)) is None:
+                victim = self.running.pop()  # the newest request yields its blocks first
+                self._preempt(victim)
+                plan.num_preempted += 1
+                if victim is request:
+                    return
+            plan.add(request, num_new_tokens, new_block_ids)
+            i += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while (
+            self.waiting
+            and plan.token_budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if num_new_tokens > plan.token_budget:
+                if not self.config.enable_chunked_prefill:
+                    return
+                num_new_tokens = plan.token_budget
+            new_block_ids = self.kv_cache.allocate_slots(request, num_new_tokens, hits)
+            if new_block_ids is None:
+                return  # waits for blocks; FCFS, so nobody behind it jumps the queue
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            plan.new_requests.append(
+                NewRequestData(
+                    request.request_id, request.num_prompt_tokens, request.sampling_params
+                )
+            )
+            plan.add(request, num_new_tokens, new_block_ids)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply the stop rules and free finished requests."""
+        outputs = []
+        for request_id, token_id, logprobs in zip(
+            runner_output.request_ids,
+            runner_output.sampled_token_ids,
+            runner_output.logprobs,
+            strict=True,
+        ):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.append_output_token_ids([token_id])
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                request.status = status
+                self._free(request)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[token_id],
+                    logprobs=logprobs,
+                    finish_reason=FINISH_REASONS[status].value if status else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if token_id in request.stop_token_ids and request.num_output_tokens > params.min_tokens:
+            if token_id not in params.eos_token_ids or params.ignore_eos:
+                request.stop_reason = token_id  # a user stop token, not EOS
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)

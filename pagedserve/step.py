@@ -1,0 +1,73 @@
+"""The plain-data contract between the scheduler and the workers, one step at a time."""
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """Sent once when a request is first scheduled, or again when it resumes after preemption.
+
+    The worker (re)creates its per-request state from it, with an empty block table.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's work in this step.
+
+    |<-------- num_computed_tokens -------->|<-- token_ids (num_new_tokens) -->|
+    The worker appends `new_block_ids` to the request's block table before running, and
+    samples a next token only when `sample` (the step reaches the end of the known tokens;
+    a partial prefill chunk does not sample).
+    """
+
+    request_id: str
+    token_ids: list[int]  # the tokens fed to the model this step
+    num_computed_tokens: int  # before this step
+    new_block_ids: list[int]
+    sample: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """Everything the workers need for one step; requests in batch order."""
+
+    new_requests: list[NewRequestData]
+    scheduled_requests: list[ScheduledRequest]
+    finished_request_ids: set[str] = field(default_factory=set)  # drop their worker state
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.scheduled_requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+
+@dataclass(frozen=True, slots=True)
+class SampleLogprobsData:
+    """Logprobs of one sampled position: the sampled token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1 = the most likely token
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens of the requests whose step ended with `sample`, in batch order."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[SampleLogprobsData | None]  # per sampled request; None when not asked

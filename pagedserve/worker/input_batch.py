@@ -1,0 +1,98 @@
+"""Per-request worker state and the flattening of a step into model inputs."""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import SchedulerOutput
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What a worker remembers about a running request between steps."""
+
+    request_id: str
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None  # the request's own RNG when it has a seed
+    block_ids: list[int] = field(default_factory=list)  # block table
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """One step's flat model inputs (tokens of all requests, back to back)."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] int64, last token of each sampled request
+    sampled_request_ids: list[str]
+    sampled_seq_lens: list[int]  # seq_len of each sampled request (tokens incl. this step)
+
+
+def build_model_input(
+    scheduler_output: SchedulerOutput,
+    states: dict[str, CachedRequestState],
+    block_size: int,
+    device: torch.device,
+) -> ModelInput:
+    """Flatten the scheduled requests into tensors.
+
+    Example, block_size=4: a request with block table [7, 2], 5 computed tokens and 2 new
+    ones feeds positions 5 and 6, which land in logical block 1 (physical 2) at offsets 1
+    and 2: slots 9 and 10.
+    """
+    scheduled = scheduler_output.scheduled_requests
+    num_reqs = len(scheduled)
+    query_lens = np.fromiter((r.num_new_tokens for r in scheduled), np.int32, num_reqs)
+    computed = np.fromiter((r.num_computed_tokens for r in scheduled), np.int64, num_reqs)
+    query_start_loc = np.zeros(num_reqs + 1, np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    seq_lens = (computed + query_lens).astype(np.int32)
+    num_tokens = int(query_start_loc[-1])
+
+    input_ids = np.fromiter(
+        (t for r in scheduled for t in r.token_ids), np.int64, num_tokens
+    )
+    req_indices = np.repeat(np.arange(num_reqs), query_lens)
+    positions = (
+        np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens) + computed[req_indices]
+    )
+    tables = [states[r.request_id].block_ids for r in scheduled]
+    max_blocks = max(len(t) for t in tables)
+    block_tables = np.zeros((num_reqs, max_blocks), np.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = table
+    slot_mapping = (
+        block_tables[req_indices, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+    sampled_rows = [i for i, r in enumerate(scheduled) if r.sample]
+    logits_indices = query_start_loc[1:][sampled_rows].astype(np.int64) - 1
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    query_start_loc_cpu = torch.from_numpy(query_start_loc)
+    seq_lens_cpu = torch.from_numpy(seq_lens)
+    attn_metadata = AttentionMetadata(
+        query_start_loc=query_start_loc_cpu.to(device, non_blocking=True),
+        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
+        block_tables=to_device(block_tables),
+        slot_mapping=to_device(slot_mapping),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=query_start_loc_cpu,
+        seq_lens_cpu=seq_lens_cpu,
+    )
+    return ModelInput(
+        input_ids=to_device(input_ids),
+        positions=to_device(positions.astype(np.int64)),
+        attn_metadata=attn_metadata,
+        logits_indices=to_device(logits_indices),
+        sampled_request_ids=[scheduled[i].request_id for i in sampled_rows],
+        sampled_seq_lens=[int(seq_lens[i]) for i in sampled_rows],
+    )

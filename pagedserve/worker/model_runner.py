@@ -1,0 +1,260 @@
+"""ModelRunner: loads the model, owns the KV cache tensors and runs one step on a device."""
+
+import logging
+
+import torch
+
+from pagedserve.attention.backend import get_attention_backend
+from pagedserve.config import EngineConfig
+from pagedserve.layers.attention import Attention
+from pagedserve.models.loader import load_model
+from pagedserve.step import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SampleLogprobsData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from pagedserve.worker.input_batch import CachedRequestState, ModelInput, build_model_input
+from pagedserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+_CPU_DEFAULT_KV_FRACTION = 0.25  # of available RAM
+_CPU_DEFAULT_KV_CAP = 2 << 30  # bytes
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.dtype:
+    """"auto" takes the checkpoint's dtype, except half precision on CPU, which runs float32."""
+    if name != "auto":
+        return _DTYPES[name]
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype)
+    if not isinstance(config_dtype, torch.dtype) or config_dtype not in _DTYPES.values():
+        config_dtype = torch.float32
+    if device.type == "cpu" and config_dtype != torch.float32:
+        return torch.float32
+    return config_dtype
+
+
+class ModelRunner:
+    """Runs the model for a SchedulerOutput and returns the sampled tokens.
+
+    Keeps each running request's state (block table, sampling parameters, generator); the
+    scheduler sends only what changed each step.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device_config.device)
+        self.block_size = config.cache_config.block_size
+        self.model_dtype = torch.float32
+        self.model: torch.nn.Module | None = None
+        self.attention_layers: list[Attention] = []
+        self.kv_caches: list[torch.Tensor] = []
+        self.states: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.backend = get_attention_backend(config.device_config.attention_backend, self.device)
+
+    def load_model(self) -> None:
+        model_config = self.config.model_config
+        self.model_dtype = resolve_dtype(model_config.dtype, model_config.hf_config, self.device)
+        torch.manual_seed(model_config.seed)
+        self.model = load_model(
+            model_config.model,
+            model_config.hf_config,
+            self.model_dtype,
+            self.device,
+            model_config.load_format,
+        )
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.backend = self.backend
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all layers."""
+        element_size = torch.tensor([], dtype=self.model_dtype).element_size()
+        return sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_dim * element_size
+            for layer in self.attention_layers
+        )
+
+    def determine_num_blocks(self) -> int:
+        """Blocks the KV cache can hold: the override, else the memory given, else sized from
+        the device (GPU: profiled; CPU: a quarter of free RAM, capped at 2 GiB and at what
+        `max_num_seqs` requests of `max_model_len` tokens can use)."""
+        cache_config = self.config.cache_config
+        if cache_config.num_gpu_blocks_override is not None:
+            return cache_config.num_gpu_blocks_override
+        if cache_config.kv_cache_memory_bytes is not None:
+            return cache_config.kv_cache_memory_bytes // self.block_bytes
+        if self.device.type == "cuda":
+            return self._profile_num_blocks()
+        available = _available_ram_bytes()
+        budget = min(int(available * _CPU_DEFAULT_KV_FRACTION), _CPU_DEFAULT_KV_CAP)
+        max_useful = self.config.scheduler_config.max_num_seqs * -(
+            -self.config.model_config.max_model_len // self.block_size
+        )
+        return max(min(budget // self.block_bytes, max_useful), 1)
+
+    def _profile_num_blocks(self) -> int:
+        """Run the largest step once, measure peak memory, give the rest to KV blocks."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.config.scheduler_config.max_num_batched_tokens
+        max_model_len = self.config.model_config.max_model_len
+        seq_len = min(num_tokens, max_model_len)
+        num_reqs = max(num_tokens // seq_len, 1)
+        num_profile_blocks = num_reqs * -(-seq_len // self.block_size)
+        self.allocate_kv_cache(num_profile_blocks)
+        fake = _profiling_step(num_reqs, seq_len, self.block_size)
+        self.execute_model(fake)
+        self.execute_model(SchedulerOutput([], [], {r.request_id for r in fake.new_requests}))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - num_profile_blocks * self.block_bytes
+        self.kv_caches = []
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        kv_bytes = int(total * self.config.cache_config.gpu_memory_utilization) - peak
+        logger.info("profiling: peak %.2f GiB without KV cache; %.2f GiB for KV blocks",
+                    peak / 2**30, kv_bytes / 2**30)
+        return max(kv_bytes // self.block_bytes, 0)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer, zeroed
+        (the torch backend reads padded slots under a mask; zeros keep them finite)."""
+        self.kv_caches = []
+        for layer in self.attention_layers:
+            cache = torch.zeros(
+                2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                dtype=self.model_dtype, device=self.device,
+            )
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput([], [], [])
+        model_input = build_model_input(
+            scheduler_output, self.states, self.block_size, self.device
+        )
+        assert self.model is not None
+        hidden_states = self.model(
+            model_input.input_ids, model_input.positions, model_input.attn_metadata
+        )
+        if not model_input.sampled_request_ids:
+            return ModelRunnerOutput([], [], [])
+        logits = self.model.compute_logits(hidden_states[model_input.logits_indices])
+        metadata = self._sampling_metadata(model_input)
+        sampler_output = self.sampler.forward(logits, metadata)
+        return _to_runner_output(model_input, sampler_output, metadata)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.states.pop(request_id, None)
+        for new in scheduler_output.new_requests:
+            self.states[new.request_id] = self._new_state(new)
+        for scheduled in scheduler_output.scheduled_requests:
+            self.states[scheduled.request_id].block_ids.extend(scheduled.new_block_ids)
+
+    def _new_state(self, new: NewRequestData) -> CachedRequestState:
+        old = self.states.get(new.request_id)  # resumed after preemption: keep its RNG
+        generator = old.generator if old is not None else None
+        if generator is None and new.sampling_params.seed is not None:
+            generator = torch.Generator(self.device)
+            generator.manual_seed(new.sampling_params.seed)
+        return CachedRequestState(
+            new.request_id, new.num_prompt_tokens, new.sampling_params, generator
+        )
+
+    def _sampling_metadata(self, model_input: ModelInput) -> SamplingMetadata:
+        params = [self.states[r].sampling_params for r in model_input.sampled_request_ids]
+        greedy = [p.is_greedy for p in params]
+        vocab_size = int(getattr(self.config.model_config.hf_config, "vocab_size", 0)) or 1 << 30
+        generators, banned = {}, {}
+        for row, request_id in enumerate(model_input.sampled_request_ids):
+            state = self.states[request_id]
+            if state.generator is not None and not greedy[row]:
+                generators[row] = state.generator
+            num_outputs = model_input.sampled_seq_lens[row] - state.num_prompt_tokens
+            stop_ids = params[row].all_stop_token_ids
+            if num_outputs < params[row].min_tokens and stop_ids:
+                banned[row] = sorted(t for t in stop_ids if t < vocab_size)
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        use_top_k = any(p.top_k > 0 for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        use_min_p = any(p.min_p > 0.0 for p in params)
+        return SamplingMetadata(
+            temperature=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                               torch.float32),
+            greedy=tensor(greedy, torch.bool),
+            all_greedy=all(greedy),
+            top_k=tensor([p.top_k or vocab_size for p in params], torch.int64)
+            if use_top_k else None,
+            top_p=tensor([p.top_p for p in params], torch.float32) if use_top_p else None,
+            min_p=tensor([p.min_p for p in params], torch.float32) if use_min_p else None,
+            generators=generators,
+            banned_token_ids=banned,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+def _to_runner_output(
+    model_input: ModelInput, out: SamplerOutput, metadata: SamplingMetadata
+) -> ModelRunnerOutput:
+    sampled = out.sampled_token_ids.tolist()
+    logprobs: list[SampleLogprobsData | None] = [None] * len(sampled)
+    if out.logprobs is not None:
+        assert out.logprob_token_ids is not None and out.sampled_ranks is not None
+        token_ids, values = out.logprob_token_ids.tolist(), out.logprobs.tolist()
+        ranks = out.sampled_ranks.tolist()
+        for row, num in enumerate(metadata.num_logprobs):
+            if num is not None:
+                logprobs[row] = SampleLogprobsData(
+                    token_ids[row][: 1 + num], values[row][: 1 + num], ranks[row]
+                )
+    return ModelRunnerOutput(model_input.sampled_request_ids, sampled, logprobs)
+
+
+def _profiling_step(num_reqs: int, seq_len: int, block_size: int) -> SchedulerOutput:
+    from pagedserve.sampling_params import SamplingParams
+
+    blocks_per_req = -(-seq_len // block_size)
+    new, scheduled = [], []
+    for i in range(num_reqs):
+        request_id = f"__profile_{i}"
+        new.append(NewRequestData(request_id, seq_len, SamplingParams(temperature=1.0)))
+        block_ids = list(range(i * blocks_per_req, (i + 1) * blocks_per_req))
+        scheduled.append(ScheduledRequest(request_id, [0] * seq_len, 0, block_ids, True))
+    return SchedulerOutput(new, scheduled, set())
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

@@ -1,0 +1,116 @@
+"""End to end: greedy outputs of `LLM.generate` equal transformers' `generate` token for token."""
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from pagedserve import LLM, SamplingParams
+
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+TOKENIZER = SHARED / "models" / "stories260k"  # vocab 512; any tokenizer with ids < 512 works
+
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+    initializer_range=0.2,  # peaked logits: no near-ties for float rounding to flip
+)
+
+CONFIGS = {
+    "llama_gqa_untied": transformers.LlamaConfig(
+        **_COMMON, num_key_value_heads=2, tie_word_embeddings=False
+    ),
+    "mistral": transformers.MistralConfig(**_COMMON, num_key_value_heads=1, sliding_window=None),
+    "qwen2": transformers.Qwen2Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": transformers.Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=32),
+    "gpt2": transformers.GPT2Config(
+        vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128, initializer_range=0.2
+    ),
+}
+
+
+def save_tiny_model(config: transformers.PretrainedConfig, path: Path) -> Path:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TOKENIZER / name, path / name)
+    return path
+
+
+def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def random_prompts(num: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randrange(2, 40))] for _ in range(num)]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_equals_transformers_with_a_tight_cache(name: str, tmp_path: Path) -> None:
+    """10 prompts submitted together; 24 blocks of 4 tokens cannot hold them all at once and a
+    16-token budget chunks the prompts, so requests wait, chunk and get preempted."""
+    model_path = save_tiny_model(CONFIGS[name], tmp_path / name)
+    prompts = random_prompts(10, 512)
+    max_tokens = 12
+    expected = hf_greedy(model_path, prompts, max_tokens)
+
+    llm = LLM(
+        str(model_path),
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks_override=24,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        max_num_seqs=6,
+        device="cpu",
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    assert llm.llm_engine.kv_cache.num_free_blocks == 24
+    llm.llm_engine.kv_cache.check_invariants()
+
+
+@pytest.mark.parametrize("model_name", ["stories260k", "tinystories-656k"])
+def test_real_models_greedy_equal_transformers(model_name: str) -> None:
+    model_path = SHARED / "models" / model_name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    texts = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They",
+             "One day, a big bird", "Sam had a red ball", "Mom said", "The sun was hot and",
+             "Once upon a time, there was a little girl named Lily. She loved to play"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    expected = hf_greedy(model_path, prompts, 30)
+    llm = LLM(str(model_path), dtype="float32", block_size=16, num_gpu_blocks_override=12,
+              max_model_len=128, device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    outputs = llm.generate(texts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    for output, ids in zip(outputs, expected, strict=True):
+        assert output.outputs[0].text == tokenizer.decode(ids, skip_special_tokens=True) or (
+            output.outputs[0].text.strip() == tokenizer.decode(ids, skip_special_tokens=True).strip()
+        )

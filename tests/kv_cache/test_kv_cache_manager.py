@@ -1,0 +1,141 @@
+"""Block pool and KV cache manager: exact block ids, ref counts, prefix hits, LRU eviction."""
+
+import pytest
+
+from pagedserve.kv_cache.block_hash import ROOT_HASH, hash_block_tokens, hash_request_blocks
+from pagedserve.kv_cache.block_pool import BlockPool
+from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.request import Request
+from pagedserve.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, token_ids: list[int], max_tokens: int = 16) -> Request:
+    return Request(request_id, token_ids, SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+def schedule(manager: KVCacheManager, request: Request, num_new_tokens: int) -> list[int] | None:
+    """What the scheduler does: allocate, then count the tokens as computed."""
+    block_ids = manager.allocate_slots(request, num_new_tokens)
+    if block_ids is not None:
+        request.num_computed_tokens += num_new_tokens
+    return block_ids
+
+
+def test_block_hash_is_chained_and_content_sensitive() -> None:
+    first = hash_block_tokens(ROOT_HASH, [1, 2, 3, 4])
+    assert first == hash_block_tokens(ROOT_HASH, [1, 2, 3, 4])
+    assert first != hash_block_tokens(ROOT_HASH, [1, 2, 3, 5])
+    assert hash_block_tokens(first, [5]) != hash_block_tokens(ROOT_HASH, [5])
+    assert first != hash_block_tokens(ROOT_HASH, [1, 2, 3, 4], extra_keys=b"lora-1")
+    assert len(hash_request_blocks(list(range(10)), 4, [])) == 2
+
+
+def test_pool_allocates_lru_and_frees_tail_first() -> None:
+    pool = BlockPool(num_blocks=4)
+    blocks = pool.allocate(3)
+    assert [b.block_id for b in blocks] == [0, 1, 2]
+    assert pool.num_free_blocks == 1
+    pool.free(reversed(blocks))
+    # Free queue order: 3 (never used), then 2, 1, 0 (tail of the request first).
+    assert [b.block_id for b in pool.allocate(4)] == [3, 2, 1, 0]
+    with pytest.raises(AssertionError):
+        pool.allocate(1)
+
+
+def test_allocate_slots_grows_block_table() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    request = make_request("a", list(range(10)))
+    assert schedule(manager, request, 10) == [0, 1, 2]
+    request.append_output_token_ids([99])
+    assert schedule(manager, request, 1) == []  # token 10 fits in block 2
+    request.append_output_token_ids([98, 97])
+    request.num_computed_tokens = 11
+    assert schedule(manager, request, 1) == []  # position 11, still block 2
+    assert schedule(manager, request, 1) == [3]  # position 12 opens a new block
+    manager.check_invariants()
+
+
+def test_allocation_fails_without_changing_anything() -> None:
+    manager = KVCacheManager(num_blocks=2, block_size=4)
+    request = make_request("a", list(range(12)))
+    assert manager.allocate_slots(request, 12) is None
+    assert manager.num_free_blocks == 2
+    assert "a" not in manager.req_to_blocks
+    manager.check_invariants()
+
+
+def test_prefix_cache_hit_shares_full_blocks() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    shared = list(range(8))  # exactly two full blocks
+    first = make_request("first", shared + [100, 101])
+    assert schedule(manager, first, 10) == [0, 1, 2]
+
+    second = make_request("second", shared + [200])
+    hits, num_hit_tokens = manager.get_computed_blocks(second)
+    assert [block.block_id for block in hits] == [0, 1] and num_hit_tokens == 8
+    assert manager.allocate_slots(second, 1, hits) == [0, 1, 3]
+    second.num_computed_tokens = 9
+    assert [b.ref_cnt for b in manager.block_pool.blocks[:4]] == [2, 2, 1, 1]
+    manager.check_invariants()
+
+
+def test_whole_prompt_cached_still_recomputes_last_token() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(8))
+    first = make_request("first", prompt)
+    schedule(manager, first, 8)
+    hits, num_hit_tokens = manager.get_computed_blocks(make_request("again", prompt))
+    assert num_hit_tokens == 4 and len(hits) == 1  # the last block holds the last token
+
+
+def test_freed_cached_blocks_stay_cached_until_reused_in_lru_order() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    schedule(manager, a, 5)  # blocks 0, 1 full (cached), block 2 partial
+    manager.free(a)
+    assert manager.num_free_blocks == 4
+    # Free queue now: 3, then a's blocks tail first: 2, 1, 0.
+    b = make_request("b", [9, 9, 9])
+    schedule(manager, b, 3)  # takes blocks 3 and 2: a's cached blocks 0 and 1 survive
+    hits, num_hit_tokens = manager.get_computed_blocks(make_request("c", [1, 2, 3, 4, 7]))
+    assert [h.block_id for h in hits] == [0, 1] and num_hit_tokens == 4
+    d = make_request("d", [5, 5, 5])
+    schedule(manager, d, 3)  # needs 2 blocks: evicts 1 (a's tail) then 0
+    hits, _ = manager.get_computed_blocks(make_request("e", [1, 2, 3, 4, 7]))
+    assert hits == []
+    manager.check_invariants()
+
+
+def test_touching_free_hits_counts_against_free_blocks() -> None:
+    manager = KVCacheManager(num_blocks=3, block_size=2)
+    a = make_request("a", [1, 2, 3, 4])
+    schedule(manager, a, 4)
+    manager.free(a)  # blocks 0 and 1 free but cached
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8])
+    hits, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 4
+    # 2 hits (taken out of the free queue) + 2 new blocks > 3 blocks: must fail cleanly.
+    assert manager.allocate_slots(b, 4, hits) is None
+    manager.check_invariants()
+    assert manager.num_free_blocks == 3
+
+
+def test_all_blocks_free_when_every_request_finished() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    requests = [make_request(str(i), [7] * (3 + 5 * i)) for i in range(4)]
+    for request in requests:
+        hits, num_hit = manager.get_computed_blocks(request)
+        assert manager.allocate_slots(request, request.num_tokens - num_hit, hits) is not None
+    manager.check_invariants()
+    for request in requests:
+        manager.free(request)
+    manager.check_invariants()
+    assert manager.num_free_blocks == 16 and manager.usage == 0.0
+
+
+def test_caching_disabled_never_hits() -> None:
+    manager = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    a = make_request("a", list(range(9)))
+    schedule(manager, a, 9)
+    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert manager.block_pool.cached == {}

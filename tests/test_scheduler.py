@@ -1,0 +1,198 @@
+"""Scheduler: budgets, chunked prefill, preemption, stop rules, and random-operation invariants."""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler import Scheduler
+from pagedserve.step import ModelRunnerOutput, SchedulerOutput
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 256,
+    caching: bool = True,
+) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill=True)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
+
+
+def make_request(
+    request_id: str, num_prompt: int, max_tokens: int = 4, first_token: int | None = None, **kw: object
+) -> Request:
+    """Prompt tokens differ between request ids unless `first_token` makes them equal."""
+    params = SamplingParams(max_tokens=max_tokens, eos_token_ids=(2,), **kw)  # type: ignore[arg-type]
+    start = first_token if first_token is not None else 10 + sum(map(ord, request_id)) % 50
+    return Request(request_id, [start + i for i in range(num_prompt)], params, max_tokens)
+
+
+def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = scheduler.schedule()
+    sampled = [r.request_id for r in out.scheduled_requests if r.sample]
+    runner = ModelRunnerOutput(sampled, [token] * len(sampled), [None] * len(sampled))
+    scheduler.update_from_output(out, runner)
+    return out
+
+
+def test_prefill_and_decode_share_a_step() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 5))
+    first = run_step(scheduler)
+    assert [(r.request_id, r.num_new_tokens) for r in first.scheduled_requests] == [("a", 5)]
+    scheduler.add_request(make_request("b", 6))
+    second = run_step(scheduler)
+    assert [(r.request_id, r.num_new_tokens) for r in second.scheduled_requests] == [
+        ("a", 1),
+        ("b", 6),
+    ]
+    assert second.scheduled_requests[0].token_ids == [7]  # a's sampled token fed back
+
+
+def test_long_prompt_is_chunked_and_decodes_go_first() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("short", 3, max_tokens=10))
+    run_step(scheduler)
+    scheduler.add_request(make_request("long", 20))
+    chunks = []
+    for _ in range(3):
+        out = run_step(scheduler)
+        steps = {r.request_id: (r.num_new_tokens, r.sample) for r in out.scheduled_requests}
+        assert steps["short"] == (1, True)  # the decode is never starved
+        chunks.append(steps["long"])
+    assert chunks == [(7, False), (7, False), (6, True)]
+
+
+def test_max_num_seqs_limits_running_requests() -> None:
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        scheduler.add_request(make_request(str(i), 4))
+    out = run_step(scheduler)
+    assert [r.request_id for r in out.scheduled_requests] == ["0", "1"]
+    assert scheduler.num_waiting == 1
+
+
+def test_preemption_recomputes_newest_and_loses_nothing() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    a, b = make_request("a", 7, max_tokens=8), make_request("b", 7, max_tokens=8)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    run_step(scheduler)  # both prefilled: 2 blocks each, the cache is full
+    outputs_seen = 0
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+        outputs_seen += 1
+        scheduler.kv_cache.check_invariants()
+        assert outputs_seen < 100
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert scheduler.num_preemptions_total >= 1
+    assert a.output_token_ids == [7] * 8 and b.output_token_ids == [7] * 8
+    assert scheduler.kv_cache.num_free_blocks == 4
+
+
+def test_stop_rules() -> None:
+    scheduler = make_scheduler()
+    eos = make_request("eos", 3, max_tokens=10)
+    stop_id = make_request("stop_id", 3, max_tokens=10, stop_token_ids=[7])
+    min_tokens = make_request("min", 3, max_tokens=10, min_tokens=2)
+    ignore = make_request("ignore", 3, max_tokens=3, ignore_eos=True)
+    for request in (eos, stop_id, min_tokens, ignore):
+        scheduler.add_request(request)
+    run_step(scheduler, token=2)  # EOS for everyone
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason is None
+    assert stop_id.status == RequestStatus.FINISHED_STOPPED
+    assert min_tokens.status == RequestStatus.RUNNING  # EOS before min_tokens does not stop
+    assert ignore.status == RequestStatus.RUNNING
+    run_step(scheduler, token=7)
+    run_step(scheduler, token=2)
+    assert min_tokens.status == RequestStatus.FINISHED_STOPPED
+    assert ignore.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert ignore.output_token_ids == [2, 7, 2]
+
+
+def test_stop_token_id_sets_stop_reason() -> None:
+    scheduler = make_scheduler()
+    request = make_request("a", 3, max_tokens=10, stop_token_ids=[7])
+    scheduler.add_request(request)
+    run_step(scheduler, token=7)
+    assert request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason == 7
+
+
+def test_abort_frees_blocks_and_tells_workers() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 9))
+    scheduler.add_request(make_request("b", 9))
+    run_step(scheduler)
+    scheduler.abort_requests(["a", "missing"])
+    out = scheduler.schedule()
+    assert out.finished_request_ids == {"a"}
+    assert [r.request_id for r in out.scheduled_requests] == ["b"]
+    scheduler.abort_requests(["b"])
+    scheduler.kv_cache.check_invariants()
+    assert scheduler.kv_cache.usage == 0.0 and not scheduler.has_unfinished_requests()
+
+
+def test_prefix_hit_in_the_same_step() -> None:
+    scheduler = make_scheduler(block_size=4)
+    scheduler.add_request(make_request("a", 9, first_token=10))
+    scheduler.add_request(make_request("b", 9, first_token=10))  # same tokens
+    out = run_step(scheduler)
+    steps = {r.request_id: r for r in out.scheduled_requests}
+    assert steps["a"].num_new_tokens == 9
+    assert steps["b"].num_computed_tokens == 8 and steps["b"].num_new_tokens == 1
+    assert steps["b"].new_block_ids[:2] == steps["a"].new_block_ids[:2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    num_blocks=st.integers(8, 40),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    budget=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 6),
+    caching=st.booleans(),
+)
+def test_random_operations_keep_invariants(
+    seed: int, num_blocks: int, block_size: int, budget: int, max_num_seqs: int, caching: bool
+) -> None:
+    """Random add / step / abort sequences: invariants hold after every operation, every
+    request ends, and at the end every block is free."""
+    rng = random.Random(seed)
+    max_model_len = num_blocks * block_size
+    scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, budget, max_model_len, caching)
+    prefixes = [[rng.randrange(100) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    requests: list[Request] = []
+    for op in range(60):
+        choice = rng.random()
+        if choice < 0.3:
+            prompt = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(4))]
+            max_tokens = rng.randrange(1, 8)
+            if len(prompt) + max_tokens <= max_model_len:
+                params = SamplingParams(max_tokens=max_tokens, eos_token_ids=(0,))
+                request = Request(f"r{op}", prompt, params, max_tokens)
+                scheduler.add_request(request)
+                requests.append(request)
+        elif choice < 0.4 and requests:
+            scheduler.abort_requests([rng.choice(requests).request_id])
+        else:
+            run_step(scheduler, token=rng.randrange(100))
+        scheduler.kv_cache.check_invariants()
+        assert len(scheduler.running) <= max_num_seqs
+    for _ in range(2000):
+        if not scheduler.has_unfinished_requests():
+            break
+        run_step(scheduler, token=rng.randrange(1, 100))
+        scheduler.kv_cache.check_invariants()
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv_cache.num_free_blocks == num_blocks
+    for request in requests:
+        assert request.is_finished
+        if request.status != RequestStatus.FINISHED_ABORTED:
+            assert request.num_output_tokens >= 1
