@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 # (INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 _NUM_PROMPT_CONTEXT_TOKENS = 5
 
-_NO_TOKEN_IDS: frozenset[int] = frozenset()
 _REPLACEMENT_CHAR = "\ufffd"  # what a decoder shows for bytes that are not (yet) a character
 
 
@@ -30,7 +29,8 @@ class IncrementalDetokenizer:
     The new text is decode(window) minus prefix_text. It is emitted only when decode(window) does
     not end in U+FFFD, i.e. when no character is still waiting for the rest of its bytes; then the
     window drops everything before read_offset and read_offset moves to its end. The window thus
-    spans the tokens of the last two emissions and its cost does not grow with the output length.
+    holds the tokens of the last emission and those not emitted yet, a few tokens whatever the
+    output length, which bounds the cost per token.
     Decoding in context keeps the leading space of SentencePiece pieces ("▁the" -> " the") and
     joins characters split over several byte tokens.
 
@@ -51,7 +51,9 @@ class IncrementalDetokenizer:
     ) -> None:
         self._backend = _backend_tokenizer(tokenizer)
         self._skip_special_tokens = skip_special_tokens
-        self._skipped_ids = _special_token_ids(self._backend) if skip_special_tokens else _NO_TOKEN_IDS
+        self._skipped_ids: frozenset[int] = frozenset()
+        if skip_special_tokens:
+            self._skipped_ids = _special_token_ids(self._backend)
         # vLLM's only effect of spaces_between_special_tokens=False on fast tokenizers: an added
         # token right after another is emitted as its bare content (WordPiece-style decoders
         # would put a space in between).

@@ -93,6 +93,8 @@ class InputProcessor:
         )
 
     def _encode(self, text: str) -> list[int]:
+        if not text:  # would tokenize to a lone BOS: reject instead of generating from nothing
+            raise InvalidRequestError("the prompt is empty; give at least one character")
         if self.tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer; pass prompt_token_ids")
         return list(self.tokenizer.encode(text))

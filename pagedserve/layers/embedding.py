@@ -65,7 +65,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     (same shape and sharding on every rank). Use `compute_logits`, not `forward`.
     """
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead holds LM-head weights; call compute_logits()")
 
     def compute_logits(

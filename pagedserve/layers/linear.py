@@ -48,18 +48,19 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 def _copy_shard(
-    param_slice: torch.Tensor,  # [n, ...] or [..., n] slice of a parameter
-    loaded_weight: torch.Tensor,  # full checkpoint tensor
+    param_slice: torch.Tensor,  # [n, ...] or [..., n]: this rank's part of a parameter
+    loaded_weight: torch.Tensor,  # [num_shards * n, ...] or [..., num_shards * n] full tensor
     dim: int,
     shard_rank: int,
+    num_shards: int,
 ) -> None:
-    """Copy shard `shard_rank` (of size `param_slice.size(dim)`) of `loaded_weight` along `dim`."""
+    """Copy shard `shard_rank` of `num_shards` equal slices of `loaded_weight` along `dim`."""
     shard_size = param_slice.size(dim)
-    expected = shard_size * (shard_rank + 1)
-    if loaded_weight.size(dim) < expected:
+    expected = list(param_slice.shape)
+    expected[dim] *= num_shards
+    if list(loaded_weight.shape) != expected:
         raise ValueError(
-            f"checkpoint tensor of shape {tuple(loaded_weight.shape)} is too small along dim {dim} "
-            f"for shard {shard_rank} of size {shard_size}"
+            f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected {tuple(expected)}"
         )
     param_slice.copy_(loaded_weight.narrow(dim, shard_rank * shard_size, shard_size))
 
@@ -78,7 +79,11 @@ class LinearBase(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(
+        self,
+        param: nn.Parameter,  # [output_size, input_size] or [output_size]
+        loaded_weight: torch.Tensor,  # same shape as param
+    ) -> None:
         default_weight_loader(param, loaded_weight)
 
     def forward(
@@ -106,7 +111,7 @@ class ColumnParallelLinear(LinearBase):
         param: nn.Parameter,  # [output_size / tp_size, input_size] or [output_size / tp_size]
         loaded_weight: torch.Tensor,  # [output_size, input_size] or [output_size]
     ) -> None:
-        _copy_shard(param.data, loaded_weight, 0, self.tp_rank)
+        _copy_shard(param.data, loaded_weight, 0, self.tp_rank, self.tp_size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -131,7 +136,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        _copy_shard(param.data.narrow(0, offset, size), loaded_weight, 0, self.tp_rank)
+        shard = param.data.narrow(0, offset, size)
+        _copy_shard(shard, loaded_weight, 0, self.tp_rank, self.tp_size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -176,13 +182,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         shard_id: str,
     ) -> None:
         if shard_id == "q":
-            offset, size, shard_rank = 0, self.q_size, self.tp_rank
+            offset, size, shard_rank, num_shards = 0, self.q_size, self.tp_rank, self.tp_size
         elif shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             size, shard_rank = self.kv_size, self.tp_rank // self.num_kv_head_replicas
+            num_shards = self.tp_size // self.num_kv_head_replicas
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        _copy_shard(param.data.narrow(0, offset, size), loaded_weight, 0, shard_rank)
+        shard = param.data.narrow(0, offset, size)
+        _copy_shard(shard, loaded_weight, 0, shard_rank, num_shards)
 
 
 class RowParallelLinear(LinearBase):
@@ -203,7 +211,7 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:  # bias: replicated
             default_weight_loader(param, loaded_weight)
         else:
-            _copy_shard(param.data, loaded_weight, 1, self.tp_rank)
+            _copy_shard(param.data, loaded_weight, 1, self.tp_rank, self.tp_size)
 
     def forward(
         self,

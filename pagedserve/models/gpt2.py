@@ -86,7 +86,8 @@ class GPT2Block(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size] float
         hidden_states = hidden_states + self.attn(self.ln_1(hidden_states), attn_metadata)
-        return hidden_states + self.mlp(self.ln_2(hidden_states))
+        out: torch.Tensor = hidden_states + self.mlp(self.ln_2(hidden_states))
+        return out
 
 
 class GPT2Model(nn.Module):

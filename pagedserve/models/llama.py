@@ -81,7 +81,7 @@ class LlamaAttention(nn.Module):
         self,
         qkv: torch.Tensor,  # [num_tokens, q_size + 2 * kv_size] float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [T, q_size], [T, kv_size] x 2
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         return q, k, v
 
     def forward(
@@ -92,7 +92,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size] float
         q, k, v = self.split_qkv(self.qkv_proj(hidden_states))
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v, attn_metadata))
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -115,7 +116,8 @@ class LlamaMLP(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden_size] float
     ) -> torch.Tensor:  # [num_tokens, hidden_size] float
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -171,8 +173,8 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        normed: torch.Tensor = self.norm(hidden_states, residual)[0]
+        return normed
 
 
 class LlamaForCausalLM(nn.Module):

@@ -96,10 +96,8 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
         param.data.uniform_(low, high, generator=generators[param.device])
     for module in model.modules():
         if isinstance(module, RMSNorm | nn.LayerNorm):
-            if module.weight is not None:
-                module.weight.data.fill_(1.0)
-            if getattr(module, "bias", None) is not None:
-                module.bias.data.zero_()
+            for name, param in module.named_parameters(recurse=False):
+                param.data.fill_(1.0 if name == "weight" else 0.0)
 
 
 def _check_all_loaded(model: nn.Module, loaded: set[str], model_path: str) -> None:

@@ -29,7 +29,8 @@ class Qwen3Attention(LlamaAttention):
         q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q.view(num_tokens, -1), k.view(num_tokens, -1))
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v, attn_metadata))
+        return out
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -228,6 +228,22 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
     _check_prefill_and_decode(hf_model, model, config.vocab_size)
 
 
+def test_gpt2_original_checkpoint_names(
+    saved_models: dict[str, tuple[nn.Module, Path]], tmp_path: Path
+) -> None:
+    """OpenAI-era GPT-2 checkpoints: no `transformer.` prefix, plus causal-mask buffers."""
+    hf_model, path = saved_models["gpt2"]
+    state = {k.removeprefix("transformer."): v for k, v in hf_model.state_dict().items()}
+    state.pop("lm_head.weight", None)
+    state["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 128, 128))
+    state["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    config = AutoConfig.from_pretrained(tmp_path)
+    model = load_model(str(tmp_path), config, torch.float32, CPU)
+    _check_prefill_and_decode(hf_model, model, config.vocab_size)
+
+
 def test_wrong_positions_change_logits(saved_models: dict[str, tuple[nn.Module, Path]]) -> None:
     """Negative control: the comparison above is sensitive to a RoPE position error. (A
     uniform shift would not do: RoPE scores depend only on relative positions.)"""
@@ -377,3 +393,11 @@ def test_vocab_sharding_pads_last_shard(no_collectives: None) -> None:
         logit_shards.append(head.compute_logits(hidden))
     torch.testing.assert_close(embedded, table[ids])
     torch.testing.assert_close(torch.cat(logit_shards, dim=-1)[:, :vocab], hidden @ table.T)
+
+
+def test_weight_loader_rejects_wrong_shape() -> None:
+    layer = QKVParallelLinear(hidden_size=16, head_dim=4, total_num_heads=4, total_num_kv_heads=2)
+    with pytest.raises(ValueError, match="shape"):
+        layer.weight.weight_loader(layer.weight, torch.randn(8, 15), "k")
+    with pytest.raises(ValueError, match="shard_id"):
+        layer.weight.weight_loader(layer.weight, torch.randn(8, 16), "o")

@@ -1,0 +1,107 @@
+"""EngineCore: the scheduler, the KV cache manager and the executor, stepping together.
+
+It sees only token ids. Tokenizing, detokenizing and stop strings happen in the caller
+(`LLMEngine` in-process, or the API server's process talking to it over IPC).
+"""
+
+import logging
+from dataclasses import dataclass
+
+from pagedserve.config import EngineConfig
+from pagedserve.errors import InvalidRequestError
+from pagedserve.kv_cache.manager import KVCacheManager, cdiv
+from pagedserve.request import Request, RequestStatus
+from pagedserve.scheduler import EngineCoreOutput, Scheduler
+from pagedserve.worker.executor import UniprocExecutor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot for metrics and logs."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use, [0, 1]
+    num_preemptions_total: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+
+
+class EngineCore:
+    """Owns the device work. `step()` schedules, runs the model and applies the stop rules."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = UniprocExecutor(config)
+        block_size = config.cache_config.block_size
+        max_model_len = config.model_config.max_model_len
+        num_blocks = self.executor.determine_num_blocks()
+        blocks_per_max_request = cdiv(max_model_len, block_size)
+        if num_blocks < blocks_per_max_request:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but "
+                f"one request of max_model_len ({max_model_len}) tokens needs "
+                f"{blocks_per_max_request}; give more memory (kv_cache_memory_bytes, "
+                f"gpu_memory_utilization) or lower max_model_len"
+            )
+        self.executor.initialize_cache(num_blocks)
+        self.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency for "
+            "%d-token requests: %.2fx",
+            num_blocks, block_size, num_blocks * block_size,
+            num_blocks * self.executor.block_bytes / 2**20,
+            max_model_len, num_blocks / blocks_per_max_request,
+        )
+        self.kv_cache = KVCacheManager(
+            num_blocks, block_size, config.cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, max_model_len)
+
+    def check_fits_cache(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise InvalidRequestError when a request could never fit the whole KV cache."""
+        num_tokens = num_prompt_tokens + max_tokens
+        block_size = self.config.cache_config.block_size
+        if cdiv(num_tokens, block_size) > self.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {num_tokens} tokens of KV cache but the whole cache "
+                f"holds {self.num_blocks * block_size}; lower max_tokens or shorten the prompt"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits_cache(request.num_prompt_tokens, request.max_tokens)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduling step and model forward; return the tokens it produced."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            if scheduler_output.finished_request_ids:  # let workers drop finished state
+                self.executor.execute_model(scheduler_output)
+            return []
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache.usage,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prefix_cache_queries=self.kv_cache.num_query_tokens,
+            prefix_cache_hits=self.kv_cache.num_hit_tokens,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

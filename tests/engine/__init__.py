@@ -1,0 +1,1 @@
+"""Tests of the engine: request processing, detokenization and outputs."""

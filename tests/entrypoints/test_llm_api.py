@@ -1,0 +1,236 @@
+"""The offline API on the bundled model: inputs, sampling options, stop rules and bad input."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.arg_utils import DEFAULT_MODEL
+from pagedserve.errors import InvalidRequestError, UnsupportedModelError
+
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", device="cpu", max_model_len=512, kv_cache_memory_bytes=16 << 20)
+
+
+def test_prompt_forms_and_input_order(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=8)
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("The little dog")
+    single = llm.generate("Once upon a time", params, use_tqdm=False)
+    batch = llm.generate(
+        ["Once upon a time", {"prompt_token_ids": ids}, {"prompt": "Mom said"}], params,
+        use_tqdm=False,
+    )
+    assert len(single) == 1 and [o.prompt for o in batch] == ["Once upon a time", None, "Mom said"]
+    assert batch[0].outputs[0].token_ids == single[0].outputs[0].token_ids
+    assert batch[1].prompt_token_ids == ids
+    out = batch[0]
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].index == 0
+
+
+def test_one_sampling_params_per_prompt(llm: LLM) -> None:
+    outs = llm.generate(
+        ["Once upon a time", "Once upon a time"],
+        [SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=0, max_tokens=5)],
+        use_tqdm=False,
+    )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate(["a"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=20)
+    alone = llm.generate("Once upon a time", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.8, max_tokens=n) for n in (5, 13, 21)]
+    batch = llm.generate(
+        ["The cat", "Once upon a time", "A big tree", "Lily"],
+        [others[0], seeded, others[1], others[2]],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone
+    unseeded = SamplingParams(temperature=1.0, max_tokens=20, seed=99)
+    assert llm.generate("Once upon a time", unseeded, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_top_k_1_is_greedy(llm: LLM) -> None:
+    greedy = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=15),
+                          use_tqdm=False)
+    top1 = llm.generate("Once upon a time", SamplingParams(temperature=1.5, top_k=1, max_tokens=15),
+                        use_tqdm=False)
+    assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
+
+
+def test_stop_strings_and_stop_token_ids(llm: LLM) -> None:
+    base = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40),
+                        use_tqdm=False)[0].outputs[0]
+    assert "Lily" in base.text  # ", there was a little girl named Lily. She loved ..."
+    stopped = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop=["Lily", "zzz"]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert stopped.text == base.text[: base.text.index("Lily")]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "Lily"
+    kept = llm.generate(
+        "Once upon a time",
+        SamplingParams(temperature=0, max_tokens=40, stop="Lily", include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == base.text[: base.text.index("Lily") + 4]
+    stop_id = base.token_ids[5]
+    by_id = llm.generate(
+        "Once upon a time",
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert by_id.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
+
+
+def test_min_tokens_and_eos(llm: LLM) -> None:
+    # stories260k ends a story with BOS (id 1); make it a stop token and see min_tokens hold it.
+    params = SamplingParams(temperature=0, max_tokens=400, stop_token_ids=[1])
+    first = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+    assert first.finish_reason == "stop" and first.token_ids[-1] == 1
+    n = len(first.token_ids)
+    longer = llm.generate(
+        "Once upon a time",
+        SamplingParams(temperature=0, max_tokens=400, stop_token_ids=[1], min_tokens=n + 5),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(longer.token_ids) > n + 5 and 1 not in longer.token_ids[: n + 5]
+
+
+def test_logprobs_match_log_softmax(llm: LLM) -> None:
+    out = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=5, logprobs=3),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 5
+    engine = llm.llm_engine
+    model = engine.engine_core.executor.runner.model
+    tokens = out.logprobs
+    prompt = llm.get_tokenizer().encode("Once upon a time")
+    # Recompute with a plain full forward of transformers for the reference.
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0]
+    ref = logits.log_softmax(-1)[len(prompt) - 1 : -1]
+    total = 0.0
+    for pos, (token_id, entry) in enumerate(zip(out.token_ids, tokens, strict=True)):
+        assert entry[token_id].rank == 1  # greedy
+        assert abs(entry[token_id].logprob - ref[pos, token_id].item()) < 1e-4
+        top = ref[pos].topk(3)
+        assert set(top.indices.tolist()) <= set(entry)
+        assert entry[token_id].decoded_token is not None
+        total += entry[token_id].logprob
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    assert model is not None
+
+
+def test_n_returns_n_sequences(llm: LLM) -> None:
+    out = llm.generate(
+        "Once upon a time", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10),
+        use_tqdm=False,
+    )[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    again = llm.generate(
+        "Once upon a time", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10),
+        use_tqdm=False,
+    )[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_skip_special_tokens(llm: LLM) -> None:
+    ids = {"prompt_token_ids": [1, 403, 407, 261, 378]}
+    params = dict(temperature=0, max_tokens=400, stop_token_ids=[1])
+    skipped = llm.generate(ids, SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(ids, SamplingParams(**params, skip_special_tokens=False),
+                        use_tqdm=False)[0].outputs[0]
+    assert "<s>" not in skipped.text and kept.text.endswith("<s>")
+
+
+def test_bad_input_raises_value_error_naming_limits(llm: LLM) -> None:
+    long_prompt = {"prompt_token_ids": [5] * 512}
+    with pytest.raises(ValueError, match=r"512 tokens.*max_model_len \(512\)"):
+        llm.generate(long_prompt, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt \(400 tokens\) \+ max_tokens \(200\).*512"):
+        llm.generate({"prompt_token_ids": [5] * 400}, SamplingParams(max_tokens=200),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [1, 99999]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    # A failing batch leaves nothing behind; the engine still works.
+    with pytest.raises(ValueError):
+        llm.generate(["fine", ""], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate("Once", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_sampling_params(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}"):
+        SamplingParams(**kwargs)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_missing_and_unsupported_models(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedModelError, match="does not exist.*LlamaForCausalLM"):
+        LLM(str(tmp_path / "nope"))
+    folder = tmp_path / "weird"
+    shutil.copytree(DEFAULT_MODEL, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["FancyNewForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        LLM(str(folder), device="cpu")
+    with pytest.raises(ValueError, match="unknown LLM option"):
+        LLM(DEFAULT_MODEL, not_an_option=1)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(DEFAULT_MODEL, max_model_len=4096, device="cpu")
+    with pytest.raises(ValueError, match="needs 32"):
+        LLM(DEFAULT_MODEL, num_gpu_blocks_override=4, device="cpu")
+
+
+def test_chat_applies_template_once(tmp_path: Path) -> None:
+    template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    llm = LLM(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory_bytes=4 << 20)
+    out = llm.chat([{"role": "user", "content": "Tell me a story"}], chat_template=template,
+                   sampling_params=SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    tokenizer = llm.get_tokenizer()
+    text = "<s>user: Tell me a story\nassistant:"
+    assert out.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+    assert out.prompt_token_ids.count(tokenizer.bos_token_id) == 1
