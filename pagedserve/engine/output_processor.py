@@ -141,7 +141,11 @@ class OutputProcessor:
             seq.cumulative_logprob += data.logprobs[0]
         seq.finish_reason, seq.stop_reason = output.finish_reason, output.stop_reason
         if seq.detokenizer is not None:
-            stop_string = seq.detokenizer.update(output.new_token_ids)
+            # The EOS or stop token that ended the request is not part of the text (vLLM).
+            stop_terminated = output.finish_reason == "stop"
+            stop_string = seq.detokenizer.update(
+                output.new_token_ids, stop_terminated=stop_terminated
+            )
             if stop_string is not None and output.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_string
                 return True
