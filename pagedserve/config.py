@@ -13,6 +13,7 @@ class ModelConfig:
 
     model: local folder with config.json and *.safetensors (Hugging Face layout).
     tokenizer: folder of the tokenizer; defaults to `model`.
+    skip_tokenizer_init: load no tokenizer (token-id prompts only, no output text).
     dtype: "auto" (the checkpoint's dtype; float32 on CPU for half-precision checkpoints),
         "float32", "float16" or "bfloat16".
     max_model_len: longest prompt + output in tokens; defaults to the model's context length.
@@ -22,6 +23,7 @@ class ModelConfig:
 
     model: str
     tokenizer: str
+    skip_tokenizer_init: bool
     dtype: str
     max_model_len: int
     load_format: str

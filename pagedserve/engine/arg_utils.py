@@ -29,6 +29,7 @@ class EngineArgs:
 
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -74,6 +75,7 @@ class EngineArgs:
         model_config = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer or self.model,
+            skip_tokenizer_init=self.skip_tokenizer_init,
             dtype=self.dtype,
             max_model_len=max_model_len,
             load_format=self.load_format,
@@ -152,6 +154,7 @@ def read_eos_token_ids(model: str, hf_config: Any) -> tuple[int, ...]:
 _FLAG_HELP = {
     "model": "local Hugging Face model folder (default: the bundled stories260k)",
     "tokenizer": "tokenizer folder (default: the model folder)",
+    "skip_tokenizer_init": "load no tokenizer: prompts must be token ids, outputs have no text",
     "dtype": "auto, float32, float16 or bfloat16",
     "seed": "random seed of the engine",
     "max_model_len": "longest prompt + output in tokens (default: the model's context)",

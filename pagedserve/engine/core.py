@@ -29,6 +29,19 @@ class SchedulerStats:
     prefix_cache_hits: int  # tokens found
 
 
+def check_fits_cache(
+    num_prompt_tokens: int, max_tokens: int, num_blocks: int, block_size: int
+) -> None:
+    """Raise InvalidRequestError when a request could never fit a cache of `num_blocks` blocks.
+    A function so that the API server process can check before sending the request."""
+    num_tokens = num_prompt_tokens + max_tokens
+    if cdiv(num_tokens, block_size) > num_blocks:
+        raise InvalidRequestError(
+            f"the request needs up to {num_tokens} tokens of KV cache but the whole cache "
+            f"holds {num_blocks * block_size}; lower max_tokens or shorten the prompt"
+        )
+
+
 class EngineCore:
     """Owns the device work. `step()` schedules, runs the model and applies the stop rules."""
 
@@ -62,13 +75,9 @@ class EngineCore:
 
     def check_fits_cache(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise InvalidRequestError when a request could never fit the whole KV cache."""
-        num_tokens = num_prompt_tokens + max_tokens
-        block_size = self.config.cache_config.block_size
-        if cdiv(num_tokens, block_size) > self.num_blocks:
-            raise InvalidRequestError(
-                f"the request needs up to {num_tokens} tokens of KV cache but the whole cache "
-                f"holds {self.num_blocks * block_size}; lower max_tokens or shorten the prompt"
-            )
+        check_fits_cache(
+            num_prompt_tokens, max_tokens, self.num_blocks, self.config.cache_config.block_size
+        )
 
     def add_request(self, request: Request) -> None:
         self.check_fits_cache(request.num_prompt_tokens, request.max_tokens)

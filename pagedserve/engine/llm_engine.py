@@ -52,7 +52,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_config = config.model_config
-        self.tokenizer = load_tokenizer(model_config.tokenizer)
+        self.tokenizer = (
+            None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+        )
         self.engine_core = EngineCore(config)
         vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0)) or len(self.tokenizer)
         self.input_processor = InputProcessor(

@@ -1,0 +1,170 @@
+"""Offline throughput (vLLM's `bench throughput` semantics), optionally against transformers.
+
+Random token prompts, fixed or uniformly random input/output lengths, `ignore_eos`. Prints a
+short table and one JSON line. With --hf-sequential it also runs transformers `generate` one
+request at a time on the same model (the classic baseline); with --hf-batch, transformers
+`generate` on the whole batch at once (static batching, left padding).
+
+  python benchmarks/throughput.py --preset tiny-llama-4m --num-prompts 32 --input-len 64 \
+      --output-len 64 --device cpu --hf-sequential
+"""
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.presets import PRESETS, materialize  # noqa: E402
+
+
+def parse_len(text: str) -> tuple[int, int]:
+    """"128" -> (128, 128); "100:1024" -> uniform in [100, 1024]."""
+    low, _, high = text.partition(":")
+    return int(low), int(high or low)
+
+
+def make_requests(
+    num: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num):
+        n_in, n_out = rng.randint(*input_len), rng.randint(*output_len)
+        requests.append(([rng.randrange(10, vocab - 10) for _ in range(n_in)], n_out))
+    return requests
+
+
+def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    kwargs = dict(
+        dtype=args.dtype, device=args.device, load_format=args.load_format,
+        max_num_seqs=args.max_num_seqs, skip_tokenizer_init=args.skip_tokenizer_init,
+        enforce_eager=args.enforce_eager, seed=args.seed,
+    )
+    for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                 "attention_backend"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    llm = LLM(model, **kwargs)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for _, n in requests]
+    llm.generate(prompts[: min(4, len(prompts))], params[:4], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_out == sum(n for _, n in requests), "ignore_eos must fix output lengths"
+    return {"seconds": elapsed, "output_tokens": num_out}
+
+
+def run_hf(args: argparse.Namespace, model: str, requests: list, batched: bool) -> dict:
+    import torch
+    import transformers
+
+    device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available()
+                          else "cpu")
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "auto": torch.float16 if device.type == "cuda" else torch.float32}[args.dtype]
+    config = transformers.AutoConfig.from_pretrained(model)
+    if args.load_format == "dummy":
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    hf = hf.to(device).eval()
+    hf.generation_config.eos_token_id = None
+
+    def generate(batch: list) -> int:
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (prompt, _) in enumerate(batch):  # left padding
+            ids[i, width - len(prompt):] = torch.tensor(prompt)
+            mask[i, width - len(prompt):] = 1
+        n_out = max(n for _, n in batch)
+        with torch.no_grad():
+            hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=n_out,
+                        min_new_tokens=n_out, do_sample=False, pad_token_id=0)
+        return sum(n for _, n in batch)  # tokens that were asked for
+
+    generate(requests[:1])  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    if batched:
+        num_out = generate(requests)
+    else:
+        num_out = sum(generate([r]) for r in requests)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"seconds": time.perf_counter() - start, "output_tokens": num_out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="local HF model folder")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="architecture, dummy weights")
+    parser.add_argument("--input-len", type=parse_len, default=(128, 128))
+    parser.add_argument("--output-len", type=parse_len, default=(128, 128))
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--kv-cache-memory-bytes", type=int)
+    parser.add_argument("--attention-backend")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--hf-sequential", action="store_true",
+                        help="also run transformers generate one request at a time")
+    parser.add_argument("--hf-batch", action="store_true",
+                        help="also run transformers generate on the whole batch at once")
+    args = parser.parse_args()
+    tmp = tempfile.TemporaryDirectory()
+    if args.preset:
+        model = str(materialize(args.preset, Path(tmp.name)))
+        args.load_format, args.skip_tokenizer_init = "dummy", True
+    else:
+        from pagedserve.engine.arg_utils import DEFAULT_MODEL
+
+        model, args.skip_tokenizer_init = args.model or DEFAULT_MODEL, False
+    config = json.loads((Path(model) / "config.json").read_text())
+    requests = make_requests(args.num_prompts, args.input_len, args.output_len,
+                             config["vocab_size"], args.seed)
+    results = {"pagedserve": run_pagedserve(args, model, requests)}
+    if args.hf_sequential:
+        results["transformers (sequential)"] = run_hf(args, model, requests, batched=False)
+    if args.hf_batch:
+        results["transformers (static batch)"] = run_hf(args, model, requests, batched=True)
+    num_in = sum(len(ids) for ids, _ in requests)
+    print(f"{'engine':<30}{'seconds':>10}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}")
+    for name, r in results.items():
+        print(f"{name:<30}{r['seconds']:>10.2f}{len(requests) / r['seconds']:>10.2f}"
+              f"{r['output_tokens'] / r['seconds']:>12.1f}"
+              f"{(num_in + r['output_tokens']) / r['seconds']:>13.1f}")
+    ours = results["pagedserve"]["seconds"]
+    for name, r in results.items():
+        if name != "pagedserve":
+            print(f"speed-up over {name}: {r['seconds'] / ours:.1f}x")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
+    print(json.dumps({"benchmark": "throughput", "model": args.preset or model,
+                      "commit": commit, "num_prompts": len(requests),
+                      "input_len": args.input_len, "output_len": args.output_len,
+                      "device": args.device, "dtype": args.dtype,
+                      "results": {k: {**v, "output_tok_s": v["output_tokens"] / v["seconds"]}
+                                  for k, v in results.items()}}))
+
+
+if __name__ == "__main__":
+    main()

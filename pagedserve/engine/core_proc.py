@@ -1,0 +1,200 @@
+"""The engine-core process: an EngineCore behind two ZMQ sockets, stepping while it has work.
+
+Requests and outputs cross as msgpack arrays of plain data (token ids, counts, strings); the
+first item names the message:
+
+    server -> core (PUSH/PULL, "input"):
+        ["add", [[request_id, prompt_token_ids, params, max_tokens], ...]]
+            params: the SamplingParams fields by name (`encode_sampling_params`)
+        ["abort", [request_id, ...]]    free now; the caller has forgotten them
+        ["finish", [request_id, ...]]   a stop string matched: finish as FINISHED_STOPPED
+        ["shutdown"]
+    core -> server (PUSH/PULL, "output"):
+        ["outputs", [output, ...], stats, queue_times]   after each step or handled input
+            output: [request_id, new_token_ids, logprobs, finish_reason, stop_reason,
+                     num_cached_tokens], logprobs = [token_ids, logprobs, sampled_rank] or nil
+            stats: the SchedulerStats fields in order
+            queue_times: [[request_id, seconds from arrival to first scheduling], ...]
+        ["error", traceback_text]   the loop failed; the process exits right after
+
+Startup goes over a multiprocessing pipe, once: ("ready", num_blocks) or ("error", text).
+The core exits on "shutdown", when its parent process is gone, or on an error.
+"""
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import msgpack
+
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.scheduler import EngineCoreOutput
+from pagedserve.step import SampleLogprobsData
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
+
+
+def encode_sampling_params(params: SamplingParams) -> dict[str, Any]:
+    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    values["output_kind"] = params.output_kind.value
+    values["eos_token_ids"] = list(params.eos_token_ids)
+    return values
+
+
+def decode_sampling_params(values: dict[str, Any]) -> SamplingParams:
+    values = dict(values)
+    values["output_kind"] = RequestOutputKind(values["output_kind"])
+    values["eos_token_ids"] = tuple(values["eos_token_ids"])
+    return SamplingParams(**values)
+
+
+def encode_output(output: EngineCoreOutput) -> list[Any]:
+    data = output.logprobs
+    logprobs = None if data is None else [data.token_ids, data.logprobs, data.sampled_rank]
+    return [
+        output.request_id,
+        output.new_token_ids,
+        logprobs,
+        output.finish_reason,
+        output.stop_reason,
+        output.num_cached_tokens,
+    ]
+
+
+def decode_output(values: list[Any]) -> EngineCoreOutput:
+    request_id, new_token_ids, logprobs, finish_reason, stop_reason, num_cached_tokens = values
+    data = None if logprobs is None else SampleLogprobsData(*logprobs)
+    return EngineCoreOutput(
+        request_id, new_token_ids, data, finish_reason, stop_reason, num_cached_tokens
+    )
+
+
+def pack(message: list[Any]) -> bytes:
+    data: bytes = msgpack.packb(message, use_bin_type=True)
+    return data
+
+
+def unpack(data: bytes) -> list[Any]:
+    message: list[Any] = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    return message
+
+
+def run_engine_core(
+    engine_args: dict[str, Any],
+    input_address: str,
+    output_address: str,
+    ready_pipe: Any,
+    parent_pid: int,
+) -> None:
+    """Main of the engine-core process (started with the 'spawn' context)."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s (EngineCore) %(name)s: %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us
+    try:
+        from pagedserve.engine.arg_utils import EngineArgs
+        from pagedserve.engine.core import EngineCore
+
+        core = EngineCore(EngineArgs(**engine_args).create_engine_config())
+    except BaseException:
+        ready_pipe.send(("error", traceback.format_exc()))
+        raise SystemExit(1) from None
+    ready_pipe.send(("ready", core.num_blocks))
+    ready_pipe.close()
+    _CoreLoop(core, input_address, output_address, parent_pid).run()
+
+
+class _CoreLoop:
+    """Receives messages, steps the core while it has requests, sends outputs back."""
+
+    def __init__(self, core: Any, input_address: str, output_address: str, parent_pid: int):
+        import zmq
+
+        self.core = core
+        self.parent_pid = parent_pid
+        self.context = zmq.Context()
+        self.input = self.context.socket(zmq.PULL)
+        self.input.connect(input_address)
+        self.output = self.context.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.LINGER, 2000)
+        self.output.connect(output_address)
+        self.unscheduled: dict[str, float] = {}  # request id -> arrival, until first scheduled
+        self.running = True
+
+    def run(self) -> None:
+        try:
+            while self.running:
+                handled_input = self._receive_all()
+                if self.running and (handled_input or self.core.has_unfinished_requests()):
+                    self._step()
+        except BaseException:
+            logger.exception("the engine core loop failed")
+            self.output.send(pack(["error", traceback.format_exc()]))
+            raise SystemExit(1) from None
+        finally:
+            self.core.shutdown()
+            self.input.close(linger=0)
+            self.output.close()
+            self.context.term()
+
+    def _receive_all(self) -> bool:
+        """Handle every waiting message; block (checking the parent) while there is no work."""
+        handled = False
+        while self.running:
+            busy = handled or self.core.has_unfinished_requests()
+            if not self.input.poll(0 if busy else _IDLE_POLL_MS):
+                if busy:
+                    return handled
+                if os.getppid() != self.parent_pid:
+                    logger.info("the API server process is gone; shutting down")
+                    self.running = False
+                continue
+            self._handle(unpack(self.input.recv()))
+            handled = True
+        return handled
+
+    def _handle(self, message: list[Any]) -> None:
+        from pagedserve.request import Request, RequestStatus
+
+        kind = message[0]
+        if kind == "add":
+            now = time.monotonic()
+            for request_id, prompt_token_ids, params, max_tokens in message[1]:
+                request = Request(
+                    request_id, prompt_token_ids, decode_sampling_params(params), max_tokens, now
+                )
+                self.core.add_request(request)
+                self.unscheduled[request_id] = now
+        elif kind in ("abort", "finish"):
+            for request_id in message[1]:
+                self.unscheduled.pop(request_id, None)
+            if kind == "abort":
+                self.core.abort_requests(message[1])
+            else:
+                self.core.finish_requests(message[1], RequestStatus.FINISHED_STOPPED)
+        elif kind == "shutdown":
+            self.running = False
+        else:
+            raise ValueError(f"unknown message kind {kind!r}")
+
+    def _step(self) -> None:
+        from pagedserve.request import RequestStatus
+
+        start = time.monotonic()
+        outputs = self.core.step()
+        queue_times = []
+        requests = self.core.scheduler.requests
+        for request_id, arrival in list(self.unscheduled.items()):
+            request = requests.get(request_id)
+            if request is None or request.status != RequestStatus.WAITING:
+                queue_times.append([request_id, start - arrival])
+                del self.unscheduled[request_id]
+        stats = dataclasses.astuple(self.core.stats())
+        message = ["outputs", [encode_output(o) for o in outputs], list(stats), queue_times]
+        self.output.send(pack(message))
