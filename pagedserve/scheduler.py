@@ -62,6 +62,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the workers at the next step
         self.num_preemptions_total = 0
+        self.num_scheduled_tokens_total = 0  # tokens fed to the model (prefix hits excluded)
 
     @property
     def num_running(self) -> int:
@@ -117,6 +118,7 @@ class Scheduler:
                 )
             )
         finished_ids, self._finished_ids = self._finished_ids, set()
+        self.num_scheduled_tokens_total += sum(n for _, n, _ in plan.scheduled)
         return SchedulerOutput(plan.new_requests, scheduled_requests, finished_ids)
 
     def _schedule_running(self, plan: _StepPlan) -> None:

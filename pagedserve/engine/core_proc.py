@@ -125,6 +125,7 @@ class _CoreLoop:
         self.output.setsockopt(zmq.LINGER, 2000)
         self.output.connect(output_address)
         self.unscheduled: dict[str, float] = {}  # request id -> arrival, until first scheduled
+        self.rejected: list[EngineCoreOutput] = []  # sent as aborted with the next outputs
         self.running = True
 
     def run(self) -> None:
@@ -169,7 +170,12 @@ class _CoreLoop:
                 request = Request(
                     request_id, prompt_token_ids, decode_sampling_params(params), max_tokens, now
                 )
-                self.core.add_request(request)
+                try:
+                    self.core.add_request(request)
+                except ValueError as e:  # the server checks first; never let one request kill us
+                    logger.error("rejected request %s: %s", request_id, e)
+                    self.rejected.append(EngineCoreOutput(request_id, [], None, "abort", None, 0))
+                    continue
                 self.unscheduled[request_id] = now
         elif kind in ("abort", "finish"):
             for request_id in message[1]:
@@ -188,6 +194,8 @@ class _CoreLoop:
 
         start = time.monotonic()
         outputs = self.core.step()
+        if self.rejected:
+            outputs, self.rejected = self.rejected + outputs, []
         queue_times = []
         requests = self.core.scheduler.requests
         for request_id, arrival in list(self.unscheduled.items()):

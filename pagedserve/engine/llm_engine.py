@@ -27,15 +27,22 @@ def child_requests(
     max_tokens: int,
     arrival_time: float | None = None,
 ) -> list[Request]:
-    """The engine-core requests of one user request: one, or n named "{i}_{request_id}"
-    (seeded children get seed + i, as in vLLM). They share the prompt's full blocks through
-    the prefix cache."""
-    if params.n == 1:
+    """The engine-core requests of one user request: one, or `best_of` (default n) named
+    "{i}_{request_id}" (seeded children get seed + i, as in vLLM). They share the prompt's full
+    blocks through the prefix cache. With best_of > n the children compute the sampled
+    token's logprob, which ranks them."""
+    num_children = params.best_of or params.n
+    if num_children == 1:
         return [Request(request_id, prompt_token_ids, params, max_tokens, arrival_time)]
+    logprobs = params.logprobs
+    if num_children > params.n and logprobs is None:
+        logprobs = 0
     children = []
-    for i in range(params.n):
+    for i in range(num_children):
         seed = None if params.seed is None else params.seed + i
-        child_params = dataclasses.replace(params, n=1, best_of=None, seed=seed)
+        child_params = dataclasses.replace(
+            params, n=1, best_of=None, seed=seed, logprobs=logprobs
+        )
         children.append(
             Request(f"{i}_{request_id}", prompt_token_ids, child_params, max_tokens, arrival_time)
         )

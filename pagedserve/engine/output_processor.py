@@ -75,7 +75,9 @@ class OutputProcessor:
                 )
             state = _SequenceState(index, detokenizer)
             if params.logprobs is not None:
-                state.logprobs, state.cumulative_logprob = [], 0.0
+                state.logprobs = []
+            if params.logprobs is not None or _is_ranked(params):
+                state.cumulative_logprob = 0.0
             sequences.append(state)
             self.child_to_parent[child_id] = (request_id, index)
         self.requests[request_id] = _RequestState(
@@ -126,6 +128,8 @@ class OutputProcessor:
     def _update_sequence(self, seq: _SequenceState, output: EngineCoreOutput) -> bool:
         """Returns True when a stop string ended the sequence."""
         seq.token_ids.extend(output.new_token_ids)
+        if output.logprobs is not None and seq.cumulative_logprob is not None:
+            seq.cumulative_logprob += output.logprobs.logprobs[0]
         if seq.logprobs is not None and output.logprobs is not None:
             data = output.logprobs
             entry = {}
@@ -137,8 +141,6 @@ class OutputProcessor:
                 data.logprobs[0], data.sampled_rank, self._token_text(data.token_ids[0])
             )
             seq.logprobs.append(entry)
-            assert seq.cumulative_logprob is not None
-            seq.cumulative_logprob += data.logprobs[0]
         seq.finish_reason, seq.stop_reason = output.finish_reason, output.stop_reason
         if seq.detokenizer is not None:
             # The EOS or stop token that ended the request is not part of the text (vLLM).
@@ -158,18 +160,23 @@ class OutputProcessor:
 
     def _make_output(self, state: _RequestState) -> RequestOutput | None:
         kind = state.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+        ranked = _is_ranked(state.params)
+        if (kind == RequestOutputKind.FINAL_ONLY or ranked) and not state.finished:
             return None
         delta = kind == RequestOutputKind.DELTA
+        sequences = state.sequences
+        if ranked:  # best_of > n: the n sequences with the highest cumulative logprob
+            sequences = sorted(sequences, key=lambda seq: -(seq.cumulative_logprob or 0.0))
+            sequences = sequences[: state.params.n]
         completions = []
-        for seq in state.sequences:
+        for index, seq in enumerate(sequences):
             start = seq.num_sent_tokens if delta else 0
             text = ""
             if seq.detokenizer is not None:
                 text = seq.detokenizer.get_next_output_text(seq.finished, delta)
             completions.append(
                 CompletionOutput(
-                    index=seq.index,
+                    index=index,
                     text=text,
                     token_ids=seq.token_ids[start:],
                     cumulative_logprob=seq.cumulative_logprob,
@@ -188,3 +195,8 @@ class OutputProcessor:
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
         )
+
+
+def _is_ranked(params: SamplingParams) -> bool:
+    """best_of > n: more sequences run than are returned (only the final output is sent)."""
+    return (params.best_of or params.n) > params.n

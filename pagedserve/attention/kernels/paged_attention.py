@@ -1,0 +1,293 @@
+"""Triton kernels for unified paged attention (prefill chunks and decodes in one batch) and the
+combination of split-KV partial results (flash-decoding).
+
+Program layout. A program owns one kv head and a "q block": BLOCK_Q consecutive new tokens of
+one request, times the NUM_QUERIES_PER_KV query heads that share that kv head (GQA/MQA), so
+each K/V tile is loaded once for the whole group. Its BLOCK_M rows are
+
+    row r  ->  new token  q_block * BLOCK_Q + r // NUM_QUERIES_PER_KV,
+               query head kv_head * NUM_QUERIES_PER_KV + r % NUM_QUERIES_PER_KV
+
+(rows >= BLOCK_Q * NUM_QUERIES_PER_KV are padding). The program streams the request's keys
+through its block table in tiles of TILE_N keys with an online softmax (base 2):
+
+    keys:  0 ........................ first_q_pos | ...... last_q_pos
+           |<- full tiles: no masks ->|<- masked tiles: causal + length ->|
+
+A new token at position p sees keys at positions <= p of its own request; the new tokens of a
+request are the last query_len positions of its seq_len.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, q_block_id, BLOCK_Q: tl.constexpr):
+    """Request that owns global q block `q_block_id`. Request i owns the q blocks from
+    query_start_loc[i] // BLOCK_Q + i on; that start grows by at least one per request and by
+    at least cdiv(query_len, BLOCK_Q) over request i, so the starts are a sorted index and a
+    grid of num_tokens // BLOCK_Q + num_reqs programs covers every q block."""
+    lo: tl.int32 = 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block_id:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attend_tiles(
+    acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32, unnormalized output
+    m_i,  # [BLOCK_M] fp32, running max of the scaled scores (base 2)
+    l_i,  # [BLOCK_M] fp32, running sum of exp2(score - m_i)
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    q_pos,  # [BLOCK_M] int32, position of each row's token
+    kv_ptr,  # kv_cache + kv_head offset
+    block_table_ptr,  # this request's row of block_tables
+    tile_lo,
+    tile_hi,
+    num_keys,  # keys this program may see: those at positions < num_keys
+    qk_scale,  # softmax scale * log2(e)
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_slot,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of every tile is visible to every row
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = offs_d < HEAD_DIM
+    for tile in range(tile_lo, tile_hi):
+        key_pos = tile * TILE_N + offs_n  # [TILE_N]
+        key_valid = key_pos < num_keys
+        if MASKED:
+            block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+        else:
+            block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE)
+        slots = block_ids.to(tl.int64) * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
+        k_ptrs = kv_ptr + slots[None, :] + offs_d[:, None]  # [HEAD_DIM_PAD, TILE_N]
+        v_ptrs = kv_ptr + stride_cache_kv + slots[:, None] + offs_d[None, :]  # [TILE_N, HEAD_DIM_PAD]
+        # Masked-off K/V read as 0 (never NaN garbage from unused slots: 0 * NaN is NaN).
+        if MASKED:
+            k = tl.load(k_ptrs, mask=key_valid[None, :] & d_valid[:, None], other=0.0)
+        elif HEAD_DIM != HEAD_DIM_PAD:
+            k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen no key yet keeps m = -inf; subtract 0 instead (no NaN).
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_ref = m_new
+        p = tl.math.exp2(qk - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        if MASKED:
+            v = tl.load(v_ptrs, mask=key_valid[:, None] & d_valid[None, :], other=0.0)
+        elif HEAD_DIM != HEAD_DIM_PAD:
+            v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    partial_acc_ptr,  # [num_reqs, num_kv_heads, num_splits, BLOCK_M, HEAD_DIM_PAD] fp32
+    partial_max_ptr,  # [num_reqs, num_kv_heads, num_splits, BLOCK_M] fp32
+    partial_sum_ptr,  # [num_reqs, num_kv_heads, num_splits, BLOCK_M] fp32
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    kv_cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_reqs,
+    query_len_lo,  # this launch handles requests with query_len_lo <= query_len <= query_len_hi
+    query_len_hi,
+    qk_scale,  # softmax scale * log2(e)
+    stride_q_token,
+    stride_q_head,
+    stride_o_token,
+    stride_o_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_block_tables,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # BLOCK_M // NUM_QUERIES_PER_KV new tokens per program
+    TILE_N: tl.constexpr,
+    ONE_Q_BLOCK: tl.constexpr,  # grid axis 0 is the request (every query_len <= BLOCK_Q)
+    SPLIT_KV: tl.constexpr,  # write partial (acc, max, sum) per split instead of the output
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (q blocks, num_kv_heads, num_splits). With ONE_Q_BLOCK, axis 0 is the request;
+    else it is a global q block index (num_tokens // BLOCK_Q + num_reqs of them), mapped to its
+    request by binary search. Axis 2 splits each request's key tiles into contiguous ranges
+    (flash-decoding); it is 1 unless SPLIT_KV. Requests outside [query_len_lo, query_len_hi]
+    (another launch's, or query_len 0 padding) and q blocks past a request's end exit at once.
+    """
+    if ONE_Q_BLOCK:
+        req = tl.program_id(0)
+        q_block = 0
+    else:
+        req = _find_request(query_start_loc_ptr, num_reqs, tl.program_id(0), BLOCK_Q)
+        q_block = tl.program_id(0) - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    skip = (query_len < query_len_lo) | (query_len > query_len_hi)
+    if skip | (q_block * BLOCK_Q >= query_len):
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_index = q_block * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV  # among the request's new tokens
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
+    row_valid = (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_index < query_len)
+    q_pos = context_len + q_index
+    token = (q_start + q_index).to(tl.int64)
+    d_valid = offs_d < HEAD_DIM
+    q = tl.load(
+        query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+
+    # Keys this q block sees: up to its last token's position. Keys below its first token's
+    # position + 1 are visible to every row, so whole tiles of them need no mask.
+    num_keys = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    num_full_tiles = (context_len + q_block * BLOCK_Q + 1) // TILE_N
+    num_tiles = tl.cdiv(num_keys, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kv_ptr = kv_cache_ptr + kv_head * stride_cache_head
+    block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_block_tables
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, kv_ptr, block_table_ptr,
+        tile_lo, tl.minimum(tile_hi, num_full_tiles), num_keys, qk_scale,
+        stride_cache_kv, stride_cache_block, stride_cache_slot,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, kv_ptr, block_table_ptr,
+        tl.maximum(tile_lo, num_full_tiles), tile_hi, num_keys, qk_scale,
+        stride_cache_kv, stride_cache_block, stride_cache_slot,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION,
+    )  # fmt: skip
+
+    if SPLIT_KV:
+        # Empty splits (fewer tiles than splits) store m = -inf, l = 0, acc = 0.
+        part = ((req * tl.num_programs(1) + kv_head) * num_splits + split) * BLOCK_M + offs_m
+        tl.store(partial_max_ptr + part, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(
+            partial_acc_ptr + part.to(tl.int64)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            acc,
+            mask=row_valid[:, None],
+        )
+    else:
+        out = acc / l_i[:, None]  # every valid row saw key 0, so l_i >= 1
+        tl.store(
+            out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_valid[None, :],
+        )
+
+
+@triton.jit
+def combine_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    partial_acc_ptr,  # [num_reqs, num_kv_heads, num_splits, BLOCK_M, HEAD_DIM_PAD] fp32
+    partial_max_ptr,  # [num_reqs, num_kv_heads, num_splits, BLOCK_M] fp32
+    partial_sum_ptr,  # [num_reqs, num_kv_heads, num_splits, BLOCK_M] fp32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_splits,
+    query_len_lo,
+    query_len_hi,
+    stride_o_token,
+    stride_o_head,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    """Grid (num_reqs, num_kv_heads): merge the split-KV partial results of one request's
+    single q block (the split path serves only launches with ONE_Q_BLOCK). Each split holds
+    (m_s, l_s, acc_s) over its key range; with M = max_s m_s the exact result is
+    sum_s exp2(m_s - M) * acc_s / sum_s exp2(m_s - M) * l_s, accumulated here in one pass."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if (query_len < query_len_lo) | (query_len > query_len_hi):
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_index = offs_m // NUM_QUERIES_PER_KV
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
+    row_valid = (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_index < query_len)
+
+    m_tot = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    base = (req * tl.num_programs(1) + kv_head) * num_splits * BLOCK_M
+    for split in range(num_splits):
+        part = base + split * BLOCK_M + offs_m
+        m_s = tl.load(partial_max_ptr + part, mask=row_valid, other=float("-inf"))
+        l_s = tl.load(partial_sum_ptr + part, mask=row_valid, other=0.0)
+        acc_s = tl.load(
+            partial_acc_ptr + part.to(tl.int64)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            mask=row_valid[:, None],
+            other=0.0,
+        )
+        m_new = tl.maximum(m_tot, m_s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_tot - m_ref)
+        beta = tl.math.exp2(m_s - m_ref)
+        l_tot = l_tot * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_tot = m_new
+
+    token = (q_start + q_index).to(tl.int64)
+    tl.store(
+        out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + offs_d[None, :],
+        (acc / l_tot[:, None]).to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )

@@ -1,0 +1,263 @@
+"""AsyncLLMEngine: asyncio front end of an engine core running in its own process."""
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.core import check_fits_cache
+from pagedserve.engine.core_client import CoreOutputs, EngineCoreClient, wait_readable
+from pagedserve.engine.input_processor import InputProcessor, PromptType
+from pagedserve.engine.llm_engine import child_requests, load_tokenizer
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.errors import EngineDeadError, InvalidRequestError
+from pagedserve.metrics import EngineMetrics
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ABORTED = None  # queue item: the request was aborted; its stream ends without a final output
+
+
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator.
+
+    It ends after the output with `finished=True`, or without one when the request is
+    aborted; it raises EngineDeadError if the engine core dies first.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is _ABORTED:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+class AsyncLLMEngine:
+    """vLLM's `AsyncLLMEngine` API: `generate` (an async iterator of RequestOutputs) and `abort`.
+
+    This process tokenizes, validates, detokenizes and applies stop strings (InputProcessor,
+    OutputProcessor); the scheduler and the model run in the engine-core process
+    (`EngineCoreClient`). A background task receives the core's outputs and fans them out to
+    per-request queues. If the core dies, every pending and new request fails with
+    EngineDeadError. Methods must be called from one event loop.
+    """
+
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        *,
+        log_requests: bool = False,
+        log_stats: bool = True,
+        log_stats_interval_s: float = 10.0,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.engine_args = engine_args
+        self.config = engine_args.create_engine_config()
+        model_config = self.config.model_config
+        self.tokenizer = load_tokenizer(model_config.tokenizer)
+        vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0)) or len(self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.tokenizer, model_config.max_model_len, vocab_size, model_config.eos_token_ids
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.log_requests = log_requests
+        self.log_stats = log_stats
+        self.log_stats_interval_s = log_stats_interval_s
+        self.metrics = metrics if metrics is not None else EngineMetrics(model_config.model)
+        self.streams: dict[str, RequestStream] = {}
+        self.dead_error: EngineDeadError | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.core = EngineCoreClient(engine_args)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> "AsyncLLMEngine":
+        return cls(engine_args, **kwargs)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model_config.max_model_len
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def start(self) -> None:
+        """Start the background tasks on the running loop (done by the first request too)."""
+        if self._tasks or self.dead_error is not None:
+            return
+        self._tasks = [asyncio.create_task(self._receive_outputs(), name="engine-outputs"),
+                       asyncio.create_task(self._watch_core(), name="engine-watchdog")]
+        if self.log_stats:
+            self._tasks.append(asyncio.create_task(self._log_stats(), name="engine-stats"))
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes (kind: `sampling_params.output_kind`).
+
+        Raises InvalidRequestError for bad input and EngineDeadError if the core dies. Closing
+        or cancelling the iterator early aborts the request and frees its KV blocks.
+        """
+        stream = self.add_request(request_id, prompt, sampling_params)
+        async for output in self.iterate(stream):
+            yield output
+
+    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yield a stream's outputs; abort the request if the caller stops early."""
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort_request(stream.request_id)
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> RequestStream:
+        """Validate a request and send it to the core; returns its output stream. Raises
+        InvalidRequestError (nothing is sent) or EngineDeadError."""
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+        if request_id in self.streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.start()
+        processed = self.input_processor.process(prompt, params)
+        num_prompt_tokens = len(processed.prompt_token_ids)
+        check_fits_cache(
+            num_prompt_tokens, processed.max_tokens, self.core.num_blocks,
+            self.config.cache_config.block_size,
+        )
+        children = child_requests(
+            request_id, processed.prompt_token_ids, processed.sampling_params, processed.max_tokens
+        )
+        self.core.send_add(children)
+        self.output_processor.add_request(
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            processed.sampling_params,
+            [child.request_id for child in children],
+        )
+        stream = RequestStream(request_id)
+        self.streams[request_id] = stream
+        self.metrics.record_arrival(request_id, num_prompt_tokens, time.monotonic())
+        if self.log_requests:
+            logger.info(
+                "Added request %s: %d prompt tokens, max_tokens %d, %s",
+                request_id, num_prompt_tokens, processed.max_tokens, params,
+            )
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        """vLLM's coroutine spelling of `abort_request`."""
+        self.abort_request(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks; its stream ends. Unknown ids are ignored."""
+        children = self.output_processor.abort_request(request_id)
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(_ABORTED)
+            self.metrics.record_aborted(request_id, len(children))
+            if self.log_requests:
+                logger.info("Aborted request %s", request_id)
+        if children and self.dead_error is None:
+            with contextlib.suppress(EngineDeadError):
+                self.core.send_abort(children)
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine core is gone."""
+        if self.dead_error is None and not self.core.is_alive:
+            self._fail(EngineDeadError(self.core.death_message()))
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+
+    def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        self.core.shutdown()
+
+    async def _receive_outputs(self) -> None:
+        try:
+            while True:
+                self._process_outputs(await self.core.receive())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.exception("engine output handler failed")
+            error = e if isinstance(e, EngineDeadError) else EngineDeadError(repr(e))
+            self._fail(error)
+
+    def _process_outputs(self, message: CoreOutputs) -> None:
+        now = time.monotonic()
+        child_to_parent = self.output_processor.child_to_parent
+
+        def parent_of(child_id: str) -> str | None:
+            parent = child_to_parent.get(child_id)
+            return None if parent is None else parent[0]
+
+        self.metrics.record_outputs(message.outputs, parent_of, now)
+        request_outputs, stopped = self.output_processor.process_outputs(message.outputs)
+        if stopped:
+            with contextlib.suppress(EngineDeadError):  # the watchdog reports a dead core
+                self.core.send_finish(stopped)
+        for output in request_outputs:
+            stream = self.streams.get(output.request_id)
+            if output.finished:
+                self.streams.pop(output.request_id, None)
+                self.metrics.record_finished(output, now)
+            if stream is not None:
+                stream.queue.put_nowait(output)
+        self.metrics.record_queue_times([seconds for _, seconds in message.queue_times])
+        self.metrics.record_scheduler_stats(message.stats)
+
+    async def _watch_core(self) -> None:
+        await wait_readable(self.core.sentinel)
+        await asyncio.sleep(0.05)  # let the output task take a last "error" message first
+        self._fail(EngineDeadError(self.core.death_message()))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        """The core is gone: fail every pending request and refuse new ones."""
+        if self.dead_error is not None:
+            return
+        logger.error("engine failed; failing %d pending requests: %s", len(self.streams), error)
+        self.dead_error = error
+        for request_id, stream in list(self.streams.items()):
+            self.output_processor.abort_request(request_id)
+            stream.queue.put_nowait(EngineDeadError(str(error)))
+        self.streams.clear()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+
+    async def _log_stats(self) -> None:
+        while True:
+            await asyncio.sleep(self.log_stats_interval_s)
+            line = self.metrics.log_line(time.monotonic())
+            if line is not None:
+                logger.info(line)
