@@ -1,6 +1,16 @@
-"""Tensor-parallel rank and size of this process, set once at startup (1 process = rank 0)."""
+"""Tensor-parallel rank and size of this process, set once at startup (1 process = rank 0).
 
+A worker process joins the tensor-parallel group with `init_distributed`; the layers read
+`get_tp_rank()`/`get_tp_size()` when they are built, and the collectives in `comm` use the
+default process group. The engine's own process never joins a group: with tensor
+parallelism every rank, rank 0 included, is a worker process (see `worker/executor.py`).
+"""
+
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
 
 
 @dataclass(slots=True)
@@ -25,3 +35,52 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _STATE.tp_size
+
+
+def init_distributed(
+    tp_rank: int, tp_size: int, init_method: str, backend: str, timeout_s: float
+) -> None:
+    """Join the tensor-parallel group (the default process group) as `tp_rank`.
+
+    init_method: "tcp://HOST:PORT" of rank 0's rendezvous store.
+    backend: "nccl" on GPUs, "gloo" on CPU.
+    timeout_s: how long the rendezvous and every collective may wait for the other ranks
+        before raising (gloo) or aborting the process (NCCL's watchdog): a dead or stuck
+        peer never hangs this rank forever.
+    """
+    set_tensor_parallel_state(tp_rank, tp_size)
+    if tp_size == 1:
+        return  # no collectives: comm's functions are the identity
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=tp_rank,
+        world_size=tp_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_distributed() -> None:
+    """Leave the process group, if this process joined one, and reset to a single rank."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_tensor_parallel_state(0, 1)
+
+
+def get_ip() -> str:
+    """An address of this host that other nodes can reach (the one of the default route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the outgoing interface
+            ip: str = s.getsockname()[0]
+            return ip
+        except OSError:
+            return "127.0.0.1"
+
+
+def get_open_port() -> int:
+    """A TCP port that is free now (the OS picks it); rank 0 binds it right after."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port: int = s.getsockname()[1]
+        return port

@@ -54,10 +54,11 @@ class EngineCoreClient:
         input_address = f"ipc://{self._tmpdir}/input"
         output_address = f"ipc://{self._tmpdir}/output"
         self._context = zmq.Context()
+        # The core binds the input socket and we connect (once it is ready): a connecting PUSH
+        # queues messages at once, so sends never block the event loop (no high-water mark).
         self._input = self._context.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a full queue
+        self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(input_address)
         self._async_context = zmq.asyncio.Context()
         self._output = self._async_context.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
@@ -86,6 +87,7 @@ class EngineCoreClient:
             raise
         finally:
             ready_reader.close()
+        self._input.connect(input_address)
 
     def _wait_ready(self, ready_reader: Any) -> int:
         start = time.monotonic()

@@ -102,12 +102,13 @@ def run_engine_core(
         from pagedserve.engine.core import EngineCore
 
         core = EngineCore(EngineArgs(**engine_args).create_engine_config())
+        loop = _CoreLoop(core, input_address, output_address, parent_pid)
     except BaseException:
         ready_pipe.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
     ready_pipe.send(("ready", core.num_blocks))
     ready_pipe.close()
-    _CoreLoop(core, input_address, output_address, parent_pid).run()
+    loop.run()
 
 
 class _CoreLoop:
@@ -120,8 +121,10 @@ class _CoreLoop:
         self.parent_pid = parent_pid
         self.context = zmq.Context()
         self.input = self.context.socket(zmq.PULL)
-        self.input.connect(input_address)
+        self.input.setsockopt(zmq.RCVHWM, 0)
+        self.input.bind(input_address)
         self.output = self.context.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.SNDHWM, 0)
         self.output.setsockopt(zmq.LINGER, 2000)
         self.output.connect(output_address)
         self.unscheduled: dict[str, float] = {}  # request id -> arrival, until first scheduled

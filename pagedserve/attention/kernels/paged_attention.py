@@ -73,9 +73,10 @@ def _attend_tiles(
             block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
         else:
             block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE)
-        slots = block_ids.to(tl.int64) * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
-        k_ptrs = kv_ptr + slots[None, :] + offs_d[:, None]  # [HEAD_DIM_PAD, TILE_N]
-        v_ptrs = kv_ptr + stride_cache_kv + slots[:, None] + offs_d[None, :]  # [TILE_N, HEAD_DIM_PAD]
+        offsets = block_ids.to(tl.int64) * stride_cache_block
+        offsets += (key_pos % BLOCK_SIZE) * stride_cache_slot
+        k_ptrs = kv_ptr + offsets[None, :] + offs_d[:, None]  # [HEAD_DIM_PAD, TILE_N]
+        v_ptrs = kv_ptr + stride_cache_kv + offsets[:, None] + offs_d[None, :]  # [TILE_N, D_PAD]
         # Masked-off K/V read as 0 (never NaN garbage from unused slots: 0 * NaN is NaN).
         if MASKED:
             k = tl.load(k_ptrs, mask=key_valid[None, :] & d_valid[:, None], other=0.0)
@@ -177,11 +178,9 @@ def paged_attention_kernel(
     q_pos = context_len + q_index
     token = (q_start + q_index).to(tl.int64)
     d_valid = offs_d < HEAD_DIM
-    q = tl.load(
-        query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :],
-        mask=row_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )
+    io_mask = row_valid[:, None] & d_valid[None, :]
+    q_offsets = token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=io_mask, other=0.0)
 
     # Keys this q block sees: up to its last token's position. Keys below its first token's
     # position + 1 are visible to every row, so whole tiles of them need no mask.
@@ -222,11 +221,9 @@ def paged_attention_kernel(
         )
     else:
         out = acc / l_i[:, None]  # every valid row saw key 0, so l_i >= 1
-        tl.store(
-            out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None] & d_valid[None, :],
-        )
+        o_offsets = token[:, None] * stride_o_token + head[:, None] * stride_o_head
+        o_offsets += offs_d[None, :]
+        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit

@@ -1,0 +1,376 @@
+"""Triton store_kv and paged attention kernels against the torch reference backend.
+
+GPU tests draw fresh random inputs per case, poison the output (NaN) and the unused cache
+slots, and compare with `TorchAttentionBackend` run in float64. The planner tests need Triton
+but no GPU.
+"""
+
+import itertools
+import math
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedserve.attention.torch_backend import TorchAttentionBackend, write_kv_cache  # noqa: E402
+from pagedserve.attention.triton_backend import (  # noqa: E402
+    TritonAttentionBackend,
+    choose_num_splits,
+    paged_attention,
+    plan_attention,
+    store_kv,
+)
+
+DEVICE = "cuda"  # tools/scripts may point this at "cpu" under TRITON_INTERPRET=1
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+# A ragged batch: decodes over short and long contexts, full prefills, and prefill chunks
+# after a cached prefix (some short enough for the decode launch when the group is small).
+QUERY_LENS = [1, 1, 37, 1, 130, 5, 1, 64, 2]
+CONTEXT_LENS = [0, 200, 0, 999, 70, 33, 16, 129, 301]
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim], a strided view of a fused qkv
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim], random
+    metadata: AttentionMetadata
+    used_slots: torch.Tensor  # [num_blocks * block_size] bool, slots inside some request
+
+
+def make_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: str,
+) -> AttentionMetadata:
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    slots = []
+    for table, context, query_len in zip(block_tables, context_lens, query_lens, strict=True):
+        for pos in range(context, context + query_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    query_start_loc = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    width = max(len(t) for t in block_tables) + 1  # a spare padded column, as in real batches
+    tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return AttentionMetadata(
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens_t.to(device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens_t,
+    )
+
+
+def make_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    device: str,
+) -> Batch:
+    """Random inputs; each request gets randomly chosen physical blocks (spare ones unused)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    num_blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(num_blocks_per_req) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for n, context, query_len in zip(num_blocks_per_req, context_lens, query_lens, strict=True):
+        table, perm = perm[:n], perm[n:]
+        tables.append(table)
+        for pos in range(context + query_len):
+            used[table[pos // block_size] * block_size + pos % block_size] = True
+    num_tokens = sum(query_lens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    qkv = qkv.to(device=device, dtype=dtype)
+    query, key, value = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+    )
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    return Batch(
+        query=query.view(num_tokens, num_heads, head_dim),
+        key=key.view(num_tokens, num_kv_heads, head_dim),
+        value=value.view(num_tokens, num_kv_heads, head_dim),
+        kv_cache=kv_cache.to(device=device, dtype=dtype),
+        metadata=make_metadata(query_lens, context_lens, tables, block_size, device),
+        used_slots=used.to(device),
+    )
+
+
+def reference(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention output and the cache after the write, in the cache's own dtype."""
+    cache64 = batch.kv_cache.double()
+    out = TorchAttentionBackend().forward(
+        batch.query.double(), batch.key.double(), batch.value.double(), cache64,
+        batch.metadata, scale,
+    )  # fmt: skip
+    written = batch.kv_cache.clone()
+    write_kv_cache(batch.key, batch.value, written, batch.metadata.slot_mapping)
+    return out, written
+
+
+def poisoned_cache(batch: Batch) -> torch.Tensor:
+    """The cache with NaN in every slot no request owns: the kernel must never let them in."""
+    cache = batch.kv_cache.clone()
+    num_kv_heads, head_dim = cache.shape[-2:]
+    cache.view(2, -1, num_kv_heads, head_dim)[:, ~batch.used_slots] = float("nan")
+    return cache
+
+
+def run_triton(batch: Batch, scale: float, num_splits: int | None) -> tuple[torch.Tensor, ...]:
+    """store_kv then paged_attention into a NaN-filled output; returns (out, cache)."""
+    cache = poisoned_cache(batch)
+    out = torch.full_like(batch.query, float("nan")).contiguous()
+    num_heads, head_dim = batch.query.shape[1:]
+    plan = plan_attention(
+        batch.metadata, num_heads, batch.key.shape[1], head_dim, batch.query.dtype,
+        cache.device, num_splits,
+    )  # fmt: skip
+    store_kv(batch.key, batch.value, cache, batch.metadata.slot_mapping)
+    paged_attention(out, batch.query, cache, batch.metadata, scale, plan)
+    return out, cache
+
+
+def check_against_reference(batch: Batch, num_splits: int | None = None) -> None:
+    scale = 1.0 / math.sqrt(batch.query.shape[-1])
+    expected, written = reference(batch, scale)
+    out, cache = run_triton(batch, scale, num_splits)
+    assert not out.isnan().any(), "some outputs were never written"
+    error = ((out.double() - expected).norm() / expected.norm()).item()
+    assert error < TOLERANCE[batch.query.dtype], error
+    num_kv_heads, head_dim = cache.shape[-2:]
+    used = batch.used_slots
+    assert torch.equal(
+        cache.view(2, -1, num_kv_heads, head_dim)[:, used],
+        written.view(2, -1, num_kv_heads, head_dim)[:, used],
+    )
+
+
+def _grid_cases() -> list[tuple[int, int, int, int, torch.dtype]]:
+    """Every head dim with every group size (1, 4, 8, MQA); dtypes and block sizes rotate so
+    that each appears with each head dim, without compiling the full product."""
+    heads = [(8, 8), (8, 2), (16, 2), (8, 1)]  # (num_heads, num_kv_heads)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32]
+    cases = []
+    for i, (head_dim, (num_heads, num_kv_heads)) in enumerate(
+        itertools.product([64, 80, 96, 128, 256], heads)
+    ):
+        block_size = [16, 32, 64][i % 3]
+        cases.append((block_size, head_dim, num_heads, num_kv_heads, dtypes[i % 3]))
+        if i % 4 == 0:  # a second dtype for a fifth of the cases
+            cases.append((block_size, head_dim, num_heads, num_kv_heads, dtypes[(i + 1) % 3]))
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size,head_dim,num_heads,num_kv_heads,dtype", _grid_cases())
+def test_paged_attention_matches_reference(
+    block_size: int, head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    seed = zlib.crc32(repr((block_size, head_dim, num_heads, num_kv_heads, dtype)).encode())
+    batch = make_batch(
+        QUERY_LENS, CONTEXT_LENS, block_size, num_heads, num_kv_heads, head_dim, dtype, seed,
+        DEVICE,
+    )  # fmt: skip
+    check_against_reference(batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_splits,num_heads,num_kv_heads,head_dim,dtype,query_lens,context_lens",
+    [
+        # Llama-3-8B heads, bf16; more splits than some requests have tiles (empty splits).
+        (8, 32, 8, 128, torch.bfloat16, [1, 1, 1], [4000, 17, 700]),
+        (3, 32, 8, 128, torch.float16, [1, 1, 1, 1], [1500, 64, 63, 2500]),
+        # MQA with a padded head dim, fp32; a query of 2 tokens still fits one q block.
+        (5, 8, 1, 80, torch.float32, [1, 2, 1], [900, 333, 0]),
+        # Split decode launch next to a prefill launch in one mixed batch.
+        (4, 16, 8, 128, torch.bfloat16, QUERY_LENS, CONTEXT_LENS),
+        # gpt2-large heads.
+        (64, 20, 20, 64, torch.float16, [1, 1], [3000, 129]),
+    ],
+)
+def test_split_kv_matches_reference(
+    num_splits: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    query_lens: list[int],
+    context_lens: list[int],
+) -> None:
+    seed = zlib.crc32(repr((num_splits, num_heads, head_dim, dtype)).encode())
+    batch = make_batch(
+        query_lens, context_lens, 16, num_heads, num_kv_heads, head_dim, dtype, seed, DEVICE
+    )
+    check_against_reference(batch, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(16, 8, 128), (64, 20, 80)])
+def test_store_kv_matches_write_kv_cache(
+    dtype: torch.dtype, block_size: int, num_kv_heads: int, head_dim: int
+) -> None:
+    batch = make_batch(
+        QUERY_LENS, CONTEXT_LENS, block_size, num_kv_heads, num_kv_heads, head_dim, dtype, 7,
+        DEVICE,
+    )  # fmt: skip
+    slot_mapping = batch.metadata.slot_mapping.clone()
+    slot_mapping[::5] = -1  # padding tokens write nothing
+    expected = batch.kv_cache.clone()
+    write_kv_cache(batch.key, batch.value, expected, slot_mapping)
+    actual = batch.kv_cache.clone()
+    store_kv(batch.key, batch.value, actual, slot_mapping)
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_padded_decode_batch_writes_only_real_tokens(num_splits: int) -> None:
+    """A CUDA-graph-style batch: padding requests with seq_len 0 / query_len 0, and padding
+    tokens (slot -1) past query_start_loc[-1]; real outputs match, padding stays untouched."""
+    batch = make_batch([1, 1, 1], [40, 300, 7], 16, 32, 8, 128, torch.bfloat16, 3, DEVICE)
+    scale = 1.0 / math.sqrt(128)
+    expected, _ = reference(batch, scale)
+    md, num_pad = batch.metadata, 2
+    padded = AttentionMetadata(
+        query_start_loc=torch.cat([md.query_start_loc, md.query_start_loc[-1:].repeat(num_pad)]),
+        seq_lens=torch.cat([md.seq_lens, md.seq_lens.new_zeros(num_pad)]),
+        block_tables=torch.cat([md.block_tables, md.block_tables.new_zeros(num_pad, 2)]),
+        slot_mapping=torch.cat([md.slot_mapping, md.slot_mapping.new_full((num_pad,), -1)]),
+        max_query_len=1,
+        max_seq_len=md.max_seq_len,
+        query_start_loc_cpu=torch.cat(
+            [md.query_start_loc_cpu, md.query_start_loc_cpu[-1:].repeat(num_pad)]
+        ),
+        seq_lens_cpu=torch.cat([md.seq_lens_cpu, md.seq_lens_cpu.new_zeros(num_pad)]),
+    )
+    query, key, value = (torch.cat([x, x[:num_pad]]) for x in (batch.query, batch.key, batch.value))
+    cache = poisoned_cache(batch)
+    cache_before = cache.clone()
+    out = torch.full_like(query, float("nan"))
+    plan = plan_attention(padded, 32, 8, 128, query.dtype, cache.device, num_splits)
+    assert plan.prefill is None and plan.decode is not None
+    store_kv(key, value, cache, padded.slot_mapping)
+    paged_attention(out, query, cache, padded, scale, plan)
+    error = ((out[:3].double() - expected).norm() / expected.norm()).item()
+    assert error < 2e-2, error
+    assert out[3:].isnan().all(), "padding tokens must not be written"
+    unused = ~batch.used_slots
+    num_kv_heads, head_dim = cache.shape[-2:]
+    assert cache.view(2, -1, num_kv_heads, head_dim)[:, unused].isnan().all()
+    assert not torch.equal(cache.nan_to_num(), cache_before.nan_to_num())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 6])
+def test_backend_forward_matches_reference(num_splits: int | None) -> None:
+    batch = make_batch(
+        QUERY_LENS, CONTEXT_LENS, 16, 32, 8, 128, torch.bfloat16, 11 + (num_splits or 0), DEVICE
+    )
+    scale = 0.3
+    expected, _ = reference(batch, scale)
+    backend = TritonAttentionBackend(num_splits=num_splits)
+    out = backend.forward(
+        batch.query, batch.key, batch.value, poisoned_cache(batch), batch.metadata, scale
+    )
+    assert out.shape == batch.query.shape and not out.isnan().any()
+    error = ((out.double() - expected).norm() / expected.norm()).item()
+    assert error < 2e-2, error
+
+
+@pytest.mark.gpu
+def test_decode_step_replays_in_a_cuda_graph() -> None:
+    """Capture one decode step, then change the lengths, block tables and inputs in place and
+    replay: the graph must compute the new step (no host values baked in but the grid)."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    first = make_batch([1] * 4, [100, 5, 2000, 37], block_size, num_heads, num_kv_heads,
+                       head_dim, torch.bfloat16, 21, DEVICE)  # fmt: skip
+    second = make_batch([1] * 4, [1500, 900, 3, 64], block_size, num_heads, num_kv_heads,
+                        head_dim, torch.bfloat16, 22, DEVICE)  # fmt: skip
+    num_blocks = max(first.kv_cache.shape[1], second.kv_cache.shape[1])
+    width = max(first.metadata.block_tables.shape[1], second.metadata.block_tables.shape[1])
+
+    def static(batch: Batch) -> tuple[torch.Tensor, ...]:
+        cache = batch.kv_cache.new_zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
+        cache[:, : batch.kv_cache.shape[1]] = batch.kv_cache
+        tables = batch.metadata.block_tables.new_zeros(4, width)
+        tables[:, : batch.metadata.block_tables.shape[1]] = batch.metadata.block_tables
+        return cache, tables
+
+    cache, tables = static(first)
+    md = first.metadata
+    graph_md = AttentionMetadata(
+        md.query_start_loc.clone(), md.seq_lens.clone(), tables, md.slot_mapping.clone(),
+        1, 4096, md.query_start_loc_cpu, md.seq_lens_cpu,
+    )  # fmt: skip
+    query, key, value = first.query.clone(), first.key.clone(), first.value.clone()
+    backend = TritonAttentionBackend()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(query, key, value, cache.clone(), graph_md, 0.1)  # compile outside
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(query, key, value, cache, graph_md, 0.1)
+
+    new_cache, new_tables = static(second)
+    cache.copy_(new_cache)
+    tables.copy_(new_tables)
+    graph_md.seq_lens.copy_(second.metadata.seq_lens)
+    graph_md.slot_mapping.copy_(second.metadata.slot_mapping)
+    query.copy_(second.query), key.copy_(second.key), value.copy_(second.value)
+    graph.replay()
+    expected, _ = reference(second, 0.1)
+    error = ((out.double() - expected).norm() / expected.norm()).item()
+    assert error < 2e-2, error
+
+
+def _metadata_with(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    tables = [list(range(-(-s // 16))) for s in seq_lens]
+    contexts = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
+    return make_metadata(query_lens, contexts, tables, 16, "cpu")
+
+
+def test_split_heuristic_fills_the_gpu_only_when_needed() -> None:
+    assert choose_num_splits(num_programs=8, max_seq_len=8192, num_sms=132) == 32
+    assert choose_num_splits(num_programs=8, max_seq_len=1024, num_sms=132) == 4
+    assert choose_num_splits(num_programs=512, max_seq_len=8192, num_sms=132) == 1
+    assert choose_num_splits(num_programs=1, max_seq_len=100_000, num_sms=132) == 64
+    assert choose_num_splits(num_programs=8, max_seq_len=100, num_sms=132) == 1
+
+
+def test_plan_routes_requests_by_query_len() -> None:
+    cpu = torch.device("cpu")
+    decode_only = plan_attention(_metadata_with([1, 1], [4000, 30]), 32, 8, 128,
+                                 torch.bfloat16, cpu)  # fmt: skip
+    assert decode_only.prefill is None and decode_only.decode is not None
+    assert decode_only.decode_max_query_len == 4 and decode_only.num_splits > 1
+    mixed = plan_attention(_metadata_with([1, 300], [4000, 300]), 32, 8, 128, torch.bfloat16, cpu)
+    assert mixed.decode is not None and mixed.prefill is not None
+    prefill_only = plan_attention(_metadata_with([50, 300], [50, 300]), 32, 8, 128,
+                                  torch.bfloat16, cpu)  # fmt: skip
+    assert prefill_only.decode is None and prefill_only.prefill is not None
+    forced = plan_attention(_metadata_with([1], [9000]), 8, 8, 64, torch.float16, cpu, 1)
+    assert forced.num_splits == 1
