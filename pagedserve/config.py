@@ -5,6 +5,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,16 +99,46 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How the model is spread over devices (tensor parallelism)."""
+    """How the model is spread over devices (tensor parallelism).
+
+    tensor_parallel_size: ranks that each hold a 1/tp_size shard of every layer.
+    distributed_executor_backend: where the ranks run: "uni" (in the engine's process; one
+        rank only), "mp" (one worker process per rank on this host) or "ray" (one Ray actor
+        per rank, anywhere on a Ray cluster). None = "uni" for one rank, else "mp".
+    distributed_timeout_s: how long a collective, or the engine waiting for a worker's reply
+        to a step, may take before the workers are declared dead (EngineDeadError).
+    """
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size <= 0:
             raise ValueError(
                 f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}"
             )
+        if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS[1:]} or "
+                f"None, got {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size is "
+                f"{self.tensor_parallel_size}; use 'mp' or 'ray'"
+            )
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(
+                f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}"
+            )
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend in use: the one given, else "uni" for one rank and "mp" for more."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
 
 @dataclass(frozen=True, slots=True)

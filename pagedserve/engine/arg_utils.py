@@ -44,6 +44,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    distributed_timeout_s: float = 300.0
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -100,6 +101,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                distributed_timeout_s=self.distributed_timeout_s,
             ),
             device_config=DeviceConfig(
                 device=self.device,
@@ -168,7 +170,9 @@ _FLAG_HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "enable_chunked_prefill": "split long prompts over several steps",
     "tensor_parallel_size": "number of tensor-parallel ranks",
-    "distributed_executor_backend": "mp or ray (tensor parallelism)",
+    "distributed_executor_backend": "uni, mp or ray (default: uni for one rank, else mp)",
+    "distributed_timeout_s": "seconds a collective or a worker's reply may take before the "
+    "workers are declared dead",
     "device": "auto, cpu, cuda or cuda:N",
     "attention_backend": "auto, torch or triton",
     "enforce_eager": "never use CUDA graphs",

@@ -108,8 +108,10 @@ class AsyncLLMEngine:
         """Start the background tasks on the running loop (done by the first request too)."""
         if self._tasks or self.dead_error is not None:
             return
-        self._tasks = [asyncio.create_task(self._receive_outputs(), name="engine-outputs"),
-                       asyncio.create_task(self._watch_core(), name="engine-watchdog")]
+        self._tasks = [
+            asyncio.create_task(self._receive_outputs(), name="engine-outputs"),
+            asyncio.create_task(self._watch_core(), name="engine-watchdog"),
+        ]
         if self.log_stats:
             self._tasks.append(asyncio.create_task(self._log_stats(), name="engine-stats"))
 
@@ -147,7 +149,9 @@ class AsyncLLMEngine:
         processed = self.input_processor.process(prompt, params)
         num_prompt_tokens = len(processed.prompt_token_ids)
         check_fits_cache(
-            num_prompt_tokens, processed.max_tokens, self.core.num_blocks,
+            num_prompt_tokens,
+            processed.max_tokens,
+            self.core.num_blocks,
             self.config.cache_config.block_size,
         )
         children = child_requests(
@@ -167,7 +171,10 @@ class AsyncLLMEngine:
         if self.log_requests:
             logger.info(
                 "Added request %s: %d prompt tokens, max_tokens %d, %s",
-                request_id, num_prompt_tokens, processed.max_tokens, params,
+                request_id,
+                num_prompt_tokens,
+                processed.max_tokens,
+                params,
             )
         return stream
 

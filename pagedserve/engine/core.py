@@ -12,7 +12,7 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.kv_cache.manager import KVCacheManager, cdiv
 from pagedserve.request import Request, RequestStatus
 from pagedserve.scheduler import EngineCoreOutput, Scheduler
-from pagedserve.worker.executor import UniprocExecutor
+from pagedserve.worker.executor import create_executor
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = UniprocExecutor(config)
+        self.executor = create_executor(config)
         block_size = config.cache_config.block_size
         max_model_len = config.model_config.max_model_len
         num_blocks = self.executor.determine_num_blocks()

@@ -1,6 +1,7 @@
 """EngineCoreClient: starts the engine-core process and exchanges messages with it."""
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -103,8 +104,9 @@ class EngineCoreClient:
             raise RuntimeError("the engine core process died while starting") from None
         if kind != "ready":
             raise RuntimeError(f"the engine core failed to start:\n{payload}")
-        logger.info("engine core ready in %.1f s (pid %d)", time.monotonic() - start,
-                    self.process.pid)
+        logger.info(
+            "engine core ready in %.1f s (pid %d)", time.monotonic() - start, self.process.pid
+        )
         return int(payload)
 
     @property
@@ -119,8 +121,12 @@ class EngineCoreClient:
 
     def send_add(self, requests: list[Request]) -> None:
         payload = [
-            [r.request_id, r.prompt_token_ids, encode_sampling_params(r.sampling_params),
-             r.max_tokens]
+            [
+                r.request_id,
+                r.prompt_token_ids,
+                encode_sampling_params(r.sampling_params),
+                r.max_tokens,
+            ]
             for r in requests
         ]
         self._send(["add", payload])
@@ -165,10 +171,8 @@ class EngineCoreClient:
             return
         self._closed = True
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self._input.send(pack(["shutdown"]), flags=zmq.DONTWAIT)
-            except zmq.ZMQError:
-                pass
             self.process.join(_SHUTDOWN_TIMEOUT_S)
         if self.process.is_alive():
             self.process.terminate()

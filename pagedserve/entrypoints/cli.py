@@ -1,10 +1,11 @@
-"""The `pagedserve` command line: `generate` (offline) and, later, `serve`."""
+"""The `pagedserve` command line: `generate` (offline) and `serve` (OpenAI-compatible server)."""
 
 import argparse
 import logging
 import sys
 
 from pagedserve.engine.arg_utils import add_engine_args, engine_args_from_namespace
+from pagedserve.entrypoints.openai.cli_args import add_server_args
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -49,7 +50,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="a stop string (repeat for several)")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    serve = sub.add_parser(
+        "serve",
+        help="start the OpenAI-compatible HTTP server",
+        description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics).",
+    )
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="model folder (same as --model; default: the bundled stories260k)",
+    )
+    add_server_args(serve)
+    serve.set_defaults(func=_serve)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints.openai.api_server import run_server
+
+    run_server(args)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,17 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def shutdown(self) -> None:
+        """Stop the engine's workers (tensor-parallel processes or Ray actors); idempotent.
+        `with LLM(...) as llm:` calls it on leaving the block."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

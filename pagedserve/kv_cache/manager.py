@@ -76,6 +76,15 @@ class KVCacheManager:
         """
         hits = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if not hits:  # fast path of a decode: usually no new block and nothing to cache
+            num_tokens_after = request.num_computed_tokens + num_new_tokens
+            if num_tokens_after <= len(blocks) * self.block_size:
+                if self.enable_caching and (
+                    num_tokens_after // self.block_size
+                    > self.num_cached_blocks.get(request.request_id, 0)
+                ):
+                    self._cache_full_blocks(request, min(num_tokens_after, request.num_tokens))
+                return []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(num_needed - len(blocks) - len(hits), 0)

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedserve.distributed.parallel_state import get_tp_size
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.models.registry import get_model_class
@@ -33,8 +34,10 @@ def load_model(
     its weights, and return it in eval mode with gradients off.
 
     load_format "auto"/"safetensors" reads `model.safetensors`, or the shards listed in
-    `model.safetensors.index.json`, one tensor at a time; "dummy" draws U(-1e-3, 1e-3) weights
-    (norm weights 1) so that benchmarks can run architectures whose weights we do not have.
+    `model.safetensors.index.json`, one tensor at a time; with tensor parallelism each rank
+    reads only its own shard of each tensor (`SafetensorsSlice`). "dummy" draws
+    U(-1e-3, 1e-3) weights (norm weights 1) so that benchmarks can run architectures whose
+    weights we do not have (each rank draws its shards alone, so they differ with tp_size).
     Raises UnsupportedModelError for an unknown architecture, a folder without safetensors
     weights, or a checkpoint that leaves parameters unloaded.
     """
@@ -49,7 +52,9 @@ def load_model(
         if load_format == "dummy":
             initialize_dummy_weights(model)
         else:
-            loaded = cast(_LoadsWeights, model).load_weights(iterate_safetensors(files))
+            sharded = get_tp_size() > 1
+            weights = iterate_safetensor_slices(files) if sharded else iterate_safetensors(files)
+            loaded = cast(_LoadsWeights, model).load_weights(weights)
             _check_all_loaded(model, loaded, model_path)
     return model.eval()
 
@@ -85,6 +90,107 @@ def iterate_safetensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tens
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
+
+
+def iterate_safetensor_slices(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, lazy view) one at a time: each weight loader narrows the view to
+    its rank's shard, and only that shard is read from the file."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, cast(torch.Tensor, SafetensorsSlice(f.get_slice(name)))
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class SafetensorsSlice:
+    """A view of one checkpoint tensor that reads nothing until its values are needed.
+
+    The weight loaders treat it as the full tensor: `shape`, `narrow`, `chunk` and (2-D) `t`
+    only move the view's window, and the first torch function that receives it (the loader's
+    `param.copy_(view)`) reads exactly that window from the file. So a rank of a
+    tensor-parallel model reads its shard, never the whole tensor.
+
+        stored tensor [rows, cols]          view after .narrow(0, r0, n)
+        +-----------------------+           rows [r0, r0 + n) x cols [0, cols):
+        |                       |           read = handle[r0:r0 + n, 0:cols]
+        |///////////////////////|  <- r0
+        |///////////////////////|
+        +-----------------------+
+    """
+
+    def __init__(
+        self,
+        handle: Any,  # safetensors' PySafeSlice of the stored tensor
+        window: tuple[tuple[int, int], ...] | None = None,  # [start, stop) per stored dim
+        transposed: bool = False,  # the view is the transpose of the window (2-D only)
+    ) -> None:
+        self._handle = handle
+        self._window = window or tuple((0, size) for size in handle.get_shape())
+        self._transposed = transposed
+
+    @property
+    def shape(self) -> torch.Size:
+        sizes = [stop - start for start, stop in self._window]
+        return torch.Size(sizes[::-1] if self._transposed else sizes)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self._handle.get_dtype()]
+
+    def dim(self) -> int:
+        return len(self._window)
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+    def narrow(self, dim: int, start: int, length: int) -> "SafetensorsSlice":
+        dim = dim % self.dim()
+        if not (0 <= start and length >= 0 and start + length <= self.shape[dim]):
+            raise IndexError(f"narrow({dim}, {start}, {length}) out of range for {self.shape}")
+        stored_dim = self.dim() - 1 - dim if self._transposed else dim
+        window = list(self._window)
+        offset = window[stored_dim][0]
+        window[stored_dim] = (offset + start, offset + start + length)
+        return SafetensorsSlice(self._handle, tuple(window), self._transposed)
+
+    def chunk(self, chunks: int, dim: int = 0) -> list["SafetensorsSlice"]:
+        size = self.shape[dim]
+        step = -(-size // chunks)
+        return [self.narrow(dim, start, min(step, size - start)) for start in range(0, size, step)]
+
+    def t(self) -> "SafetensorsSlice":
+        if self.dim() > 2:
+            raise ValueError(f"t() expects a tensor of at most 2 dims, got {self.dim()}")
+        return SafetensorsSlice(self._handle, self._window, not self._transposed)
+
+    def materialize(self) -> torch.Tensor:
+        """Read the window from the file (a CPU tensor in the checkpoint's dtype)."""
+        if any(stop == start for start, stop in self._window):
+            stored = torch.empty([stop - start for start, stop in self._window], dtype=self.dtype)
+        else:
+            stored = self._handle[tuple(slice(start, stop) for start, stop in self._window)]
+        return stored.t() if self._transposed else stored
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        """Any torch function given a view (e.g. `param.copy_(view)`) gets the values."""
+
+        def read(value: Any) -> Any:
+            if isinstance(value, SafetensorsSlice):
+                return value.materialize()
+            if isinstance(value, list | tuple):
+                return type(value)(read(v) for v in value)
+            return value
+
+        return func(*read(tuple(args)), **{k: read(v) for k, v in (kwargs or {}).items()})
 
 
 def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3) -> None:

@@ -1,8 +1,51 @@
-"""Executors: where the model runners live (this process, or one process per TP rank)."""
+"""Executors: where the model runners live (this process, one process per TP rank, or Ray).
+
+Every executor offers the same five calls to EngineCore, which never knows how many ranks
+there are:
+
+    determine_num_blocks()  KV blocks every rank can hold (the minimum over the ranks)
+    block_bytes             bytes of one KV block on one rank
+    initialize_cache(n)     allocate n blocks on every rank
+    execute_model(step)     run one SchedulerOutput on every rank; rank 0's sampled tokens
+    shutdown()              stop the workers (idempotent)
+
+`create_executor` picks one from `ParallelConfig.executor_backend`.
+"""
+
+from typing import Protocol
 
 from pagedserve.config import EngineConfig
 from pagedserve.step import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.model_runner import ModelRunner
+
+
+class Executor(Protocol):
+    """What EngineCore needs from the workers (see the module docstring)."""
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def determine_num_blocks(self) -> int: ...
+
+    def initialize_cache(self, num_blocks: int) -> None: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+def create_executor(config: EngineConfig) -> Executor:
+    """The executor of `config.parallel_config.executor_backend`: "uni", "mp" or "ray"."""
+    backend = config.parallel_config.executor_backend
+    if backend == "uni":
+        return UniprocExecutor(config)
+    if backend == "mp":
+        from pagedserve.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from pagedserve.worker.ray_executor import RayExecutor
+
+    return RayExecutor(config)
 
 
 class UniprocExecutor:
@@ -10,8 +53,9 @@ class UniprocExecutor:
 
     def __init__(self, config: EngineConfig) -> None:
         if config.parallel_config.tensor_parallel_size != 1:
-            raise NotImplementedError(
-                "tensor_parallel_size > 1 is not implemented yet; use tensor_parallel_size=1"
+            raise ValueError(
+                "UniprocExecutor runs one rank; use distributed_executor_backend 'mp' or 'ray' "
+                "for tensor_parallel_size > 1"
             )
         self.runner = ModelRunner(config)
         self.runner.load_model()

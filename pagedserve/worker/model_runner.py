@@ -15,6 +15,7 @@ from pagedserve.step import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagedserve.worker.cuda_graph import CudaGraphRunner
 from pagedserve.worker.input_batch import CachedRequestState, ModelInput, build_model_input
 from pagedserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
@@ -56,9 +57,11 @@ class ModelRunner:
     scheduler sends only what changed each step.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
+        """device: this rank's device (a tensor-parallel worker passes its own); default:
+        `config.device_config.device` resolved."""
         self.config = config
-        self.device = resolve_device(config.device_config.device)
+        self.device = device or resolve_device(config.device_config.device)
         self.block_size = config.cache_config.block_size
         self.model_dtype = torch.float32
         self.model: torch.nn.Module | None = None
@@ -66,6 +69,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.cuda_graphs: CudaGraphRunner | None = None
         self.backend = get_attention_backend(config.device_config.attention_backend, self.device)
 
     def load_model(self) -> None:
@@ -119,7 +123,7 @@ class ModelRunner:
         seq_len = min(num_tokens, max_model_len)
         num_reqs = max(num_tokens // seq_len, 1)
         num_profile_blocks = num_reqs * -(-seq_len // self.block_size)
-        self.allocate_kv_cache(num_profile_blocks)
+        self._allocate_kv_cache(num_profile_blocks)
         fake = _profiling_step(num_reqs, seq_len, self.block_size)
         self.execute_model(fake)
         self.execute_model(SchedulerOutput([], [], {r.request_id for r in fake.new_requests}))
@@ -136,6 +140,25 @@ class ModelRunner:
         return max(kv_bytes // self.block_bytes, 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then capture CUDA graphs for decode batches when they apply
+        (CUDA device, a graph-capturable backend, and not `enforce_eager`)."""
+        self._allocate_kv_cache(num_blocks)
+        if (
+            self.device.type == "cuda"
+            and not self.config.device_config.enforce_eager
+            and self.backend.name == "triton"
+        ):
+            assert self.model is not None
+            self.cuda_graphs = CudaGraphRunner(
+                self.model,
+                self.config.scheduler_config.max_num_seqs,
+                self.config.model_config.max_model_len,
+                self.block_size,
+                self.device,
+            )
+            self.cuda_graphs.capture()
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer, zeroed
         (the torch backend reads padded slots under a mask; zeros keep them finite)."""
         self.kv_caches = []
@@ -156,9 +179,17 @@ class ModelRunner:
             scheduler_output, self.states, self.block_size, self.device
         )
         assert self.model is not None
-        hidden_states = self.model(
-            model_input.input_ids, model_input.positions, model_input.attn_metadata
-        )
+        attn_metadata = model_input.attn_metadata
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(
+            attn_metadata.num_reqs, attn_metadata.max_query_len
+        ):
+            hidden_states = self.cuda_graphs.run(
+                model_input.input_ids, model_input.positions, attn_metadata
+            )
+        else:
+            hidden_states = self.model(
+                model_input.input_ids, model_input.positions, attn_metadata
+            )
         if not model_input.sampled_request_ids:
             return ModelRunnerOutput([], [], [])
         logits = self.model.compute_logits(hidden_states[model_input.logits_indices])

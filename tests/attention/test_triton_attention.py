@@ -172,7 +172,7 @@ def _grid_cases() -> list[tuple[int, int, int, int, torch.dtype]]:
     for i, (head_dim, (num_heads, num_kv_heads)) in enumerate(
         itertools.product([64, 80, 96, 128, 256], heads)
     ):
-        block_size = [16, 32, 64][i % 3]
+        block_size = [16, 32, 64][(i + i // 3) % 3]
         cases.append((block_size, head_dim, num_heads, num_kv_heads, dtypes[i % 3]))
         if i % 4 == 0:  # a second dtype for a fifth of the cases
             cases.append((block_size, head_dim, num_heads, num_kv_heads, dtypes[(i + 1) % 3]))

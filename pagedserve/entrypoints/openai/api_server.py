@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, ...)` and the uvicorn entry point
+(`python -m pagedserve.entrypoints.openai.api_server --model MODEL ...`)."""
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedserve import __version__
+from pagedserve.errors import PagedServeError
+
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from .serving import Engine, OpenAIError, check_model, error_body, to_openai_error
+from .serving_chat import OpenAIServingChat, render_chat
+from .serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+_OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer KEY`, compared in constant time. A plain ASGI
+    middleware (not BaseHTTPMiddleware), so that streaming and disconnects pass through."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            message = "missing or invalid API key; send `Authorization: Bearer <key>`"
+            await JSONResponse(error_body(401, message), status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(
+        error_body(error.status_code, str(error), error.param), status_code=error.status_code
+    )
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else ""
+    return f"{where}{first.get('msg', 'invalid value')}", param
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error_response(OpenAIError(400, message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(OpenAIError(exc.status_code, str(exc.detail)))
+
+    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+        error = to_openai_error(exc)
+        if error.status_code >= 500:
+            logger.error("request failed: %s", exc, exc_info=error.status_code == 500)
+        return _error_response(error)
+
+    # Expected errors by class; anything else is a bug: 500, logged with its traceback.
+    for error_class in (OpenAIError, PagedServeError, Exception):
+        app.add_exception_handler(error_class, on_error)
+
+
+def build_app(
+    engine: Engine,
+    served_model_names: list[str],
+    *,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    registry: CollectorRegistry | None = None,
+    model_root: str | None = None,
+) -> FastAPI:
+    """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
+    _add_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    completions = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template)
+    tokenizer = engine.get_tokenizer()
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
+        return await completions.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.get("/v1/models")
+    async def show_models() -> ModelList:
+        cards = [
+            ModelCard(id=name, root=model_root, max_model_len=engine.max_model_len)
+            for name in served_model_names
+        ]
+        return ModelList(data=cards)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Any:
+        check_model(request.model, served_model_names)
+        if isinstance(request, TokenizeChatRequest):
+            _, token_ids = render_chat(
+                tokenizer,
+                request.messages,
+                chat_template,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.chat_template_kwargs,
+            )
+            if request.add_special_tokens:
+                token_ids = tokenizer.build_inputs_with_special_tokens(token_ids)
+        else:
+            token_ids = tokenizer.encode(
+                request.prompt, add_special_tokens=request.add_special_tokens
+            )
+        return TokenizeResponse(
+            count=len(token_ids), max_model_len=engine.max_model_len, tokens=list(token_ids)
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(request.model, served_model_names)
+        vocab_size = len(tokenizer)
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(400, f"token id {bad[0]} is outside [0, {vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+
+    @app.get("/health")
+    async def health() -> Response:
+        await engine.check_health()  # EngineDeadError -> 503
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data = generate_latest(registry) if registry is not None else b""
+        return Response(content=data, media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the port before loading the model, so that a busy port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None or not os.path.isfile(value):
+        return value  # None, or the template itself
+    with open(value) as f:
+        return f.read()
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Start the engine core, then serve until SIGINT/SIGTERM; always stop the core."""
+    import uvicorn
+
+    from pagedserve.engine.arg_utils import engine_args_from_namespace
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.metrics import EngineMetrics
+
+    from .cli_args import resolve_server_args
+
+    args = resolve_server_args(args)
+    chat_template = _read_chat_template(args.chat_template)
+    sock = _bind_socket(args.host, args.port)
+    metrics = EngineMetrics(args.served_model_name[0])
+    engine = AsyncLLMEngine.from_engine_args(
+        engine_args_from_namespace(args),
+        log_requests=not args.disable_log_requests,
+        log_stats=not args.disable_log_stats,
+        log_stats_interval_s=args.stats_log_interval,
+        metrics=metrics,
+    )
+    try:
+        app = build_app(
+            engine,
+            args.served_model_name,
+            api_key=args.api_key,
+            chat_template=chat_template,
+            registry=metrics.registry,
+            model_root=args.model,
+        )
+        config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+        logger.info("serving %s on http://%s:%d", args.served_model_name, args.host, args.port)
+        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    finally:
+        engine.shutdown()
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .cli_args import add_server_args
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedserve.entrypoints.openai.api_server",
+        description="OpenAI-compatible server (completions, chat, models, tokenize, metrics).",
+    )
+    run_server(add_server_args(parser).parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""What the completion and chat handlers share: the engine protocol, errors, sampling
+parameters, logprob formats, SSE framing and disconnect handling."""
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Protocol
+
+from fastapi import Request
+
+from pagedserve.engine.async_engine import RequestStream
+from pagedserve.engine.input_processor import PromptType
+from pagedserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+from .protocol import (
+    ChatCompletionLogProb,
+    CompletionLogProbs,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingFields,
+    TopLogprob,
+)
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+class Engine(Protocol):
+    """What the server needs of an engine (AsyncLLMEngine, or a fake one in tests)."""
+
+    max_model_len: int
+
+    def get_tokenizer(self) -> Any: ...
+    def start(self) -> None: ...
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> RequestStream: ...
+    def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]: ...
+    def abort_request(self, request_id: str) -> None: ...
+    async def check_health(self) -> None: ...
+
+
+class OpenAIError(Exception):
+    """An error with its HTTP status, OpenAI `type` and the offending `param`."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.param = param
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(status_code: int, message: str, param: str | None = None) -> dict[str, Any]:
+    error_type = _ERROR_TYPES.get(status_code, "InternalServerError")
+    info = ErrorInfo(message=message, type=error_type, param=param, code=status_code)
+    return ErrorResponse(error=info).model_dump()
+
+
+def to_openai_error(exc: Exception) -> OpenAIError:
+    """Map engine errors to HTTP: bad input 400, overload 429, dead engine 503, else 500."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        match = re.match(r"SamplingParams\.(\w+)", str(exc))
+        return OpenAIError(400, str(exc), match.group(1) if match else None)
+    if isinstance(exc, EngineOverloadedError):
+        return OpenAIError(429, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, str(exc))
+    return OpenAIError(500, f"internal error: {exc!r}")
+
+
+def check_model(model: str | None, served_model_names: list[str]) -> None:
+    if model is not None and model not in served_model_names:
+        raise OpenAIError(
+            404,
+            f"The model `{model}` does not exist; this server serves {served_model_names}",
+            "model",
+        )
+
+
+def check_supported(request: SamplingFields) -> None:
+    """Refuse, rather than silently ignore, fields that the engine does not implement yet."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name)
+        if value:
+            raise OpenAIError(
+                400, f"{name} is not supported yet (got {value}); leave it at 0", name
+            )
+    if request.repetition_penalty not in (None, 1.0):
+        raise OpenAIError(
+            400, "repetition_penalty is not supported yet; leave it at 1", "repetition_penalty"
+        )
+    if request.logit_bias:
+        raise OpenAIError(400, "logit_bias is not supported yet", "logit_bias")
+    if request.prompt_logprobs is not None:
+        raise OpenAIError(400, "prompt_logprobs is not supported yet", "prompt_logprobs")
+
+
+def sampling_params(
+    request: SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """SamplingParams of a request (raises InvalidRequestError naming the bad field)."""
+    return SamplingParams(
+        n=request.n,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k is None else request.top_k,
+        min_p=0.0 if request.min_p is None else request.min_p,
+        seed=request.seed,
+        stop=request.stop,
+        stop_token_ids=request.stop_token_ids,
+        ignore_eos=request.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        logprobs=logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def add_requests(
+    engine: Engine, request_id: str, prompts: list[PromptType], params: SamplingParams
+) -> list[RequestStream]:
+    """Send one engine request per prompt; if one is refused, abort those already sent."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            streams.append(engine.add_request(f"{request_id}-{i}", prompt, params))
+    except BaseException:
+        for stream in streams:
+            engine.abort_request(stream.request_id)
+        raise
+    return streams
+
+
+class DisconnectWatcher:
+    """Until stopped, a client disconnect aborts the requests at once (freeing their KV
+    blocks), even while they wait in the queue and nothing is being sent. Started before a
+    streaming response is returned, so that a client gone before the body starts is seen."""
+
+    def __init__(self, raw_request: Request, engine: Engine, streams: list[RequestStream]):
+        self.engine = engine
+        self.streams = streams
+        self.task = asyncio.create_task(self._watch(raw_request))
+
+    async def _watch(self, raw_request: Request) -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+        self.abort_unfinished()
+
+    def abort_unfinished(self) -> None:
+        for stream in self.streams:
+            if not stream.finished:
+                self.engine.abort_request(stream.request_id)
+
+    def stop(self) -> None:
+        """Stop watching; abort what has not finished (the response is over either way)."""
+        self.task.cancel()
+        self.abort_unfinished()
+
+
+async def merge_streams(
+    engine: Engine, streams: list[RequestStream]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's index."""
+    if len(streams) == 1:
+        async for output in engine.iterate(streams[0]):
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def drain(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in engine.iterate(stream):
+                queue.put_nowait((index, output))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(drain(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            index, item = await queue.get()
+            if item is None:
+                num_running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def sse(payload: Any, include_usage: bool = True) -> str:
+    """One server-sent event of a pydantic model or a dict. Chunks carry `usage` (null until
+    the last) only when the client asked for `stream_options.include_usage`, as OpenAI does."""
+    if hasattr(payload, "model_dump_json"):
+        exclude = None if include_usage else {"usage"}
+        return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: Exception) -> Iterator[str]:
+    """How a stream that already sent its headers reports an error, then ends."""
+    error = to_openai_error(exc)
+    yield sse(error_body(error.status_code, str(error), error.param))
+    yield SSE_DONE
+
+
+async def guarded_stream(
+    events: AsyncIterator[str], watcher: DisconnectWatcher
+) -> AsyncIterator[str]:
+    """SSE body: the events, an error event if generation fails, and always, however the
+    stream ends (finished, failed, client gone), stop watching and abort what is unfinished."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as e:
+        for event in sse_error(e):
+            yield event
+    finally:
+        watcher.stop()
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
+
+def _by_rank(position: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(position.items(), key=lambda item: item[1].rank or 0)
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob]] | None,
+    num_top: int,
+    token_text: Any,
+    text_offset: int,
+) -> tuple[CompletionLogProbs, int]:
+    """OpenAI completions logprobs of some tokens (`logprobs` None: prompt tokens, which have
+    no logprobs here). Returns them and the text offset after the last token."""
+    result = CompletionLogProbs()
+    for i, token_id in enumerate(token_ids):
+        position = logprobs[i] if logprobs is not None else None
+        if position is None or token_id not in position:
+            text = token_text(token_id)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            sampled = position[token_id]
+            text = sampled.decoded_token or ""
+            result.token_logprobs.append(_clamp(sampled.logprob))
+            top = {text: _clamp(sampled.logprob)}
+            for top_id, top_logprob in _by_rank(position):
+                if top_id != token_id and (top_logprob.rank or 0) <= num_top:
+                    top.setdefault(top_logprob.decoded_token or "", _clamp(top_logprob.logprob))
+            result.top_logprobs.append(top)
+        result.tokens.append(text)
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
+    return result, text_offset
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int
+) -> list[ChatCompletionLogProb]:
+    """OpenAI chat logprobs (`choices[].logprobs.content`) of generated tokens."""
+    content = []
+    for token_id, position in zip(token_ids, logprobs, strict=True):
+        sampled = position[token_id]
+        text = sampled.decoded_token or ""
+        top = [
+            TopLogprob(
+                token=t.decoded_token or "",
+                logprob=_clamp(t.logprob),
+                bytes=list((t.decoded_token or "").encode()),
+            )
+            for _, t in _by_rank(position)
+            if t.rank is not None and t.rank <= num_top
+        ][:num_top]
+        content.append(
+            ChatCompletionLogProb(
+                token=text,
+                logprob=_clamp(sampled.logprob),
+                bytes=list(text.encode()),
+                top_logprobs=top,
+            )
+        )
+    return content

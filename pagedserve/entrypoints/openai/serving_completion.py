@@ -1,0 +1,218 @@
+"""POST /v1/completions: prompts in, completions out, whole or as server-sent events."""
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedserve.engine.async_engine import RequestStream
+from pagedserve.engine.detokenizer import decode_token_for_logprob
+from pagedserve.engine.input_processor import PromptType
+from pagedserve.outputs import CompletionOutput, RequestOutput
+
+from .protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_id,
+)
+from .serving import (
+    SSE_DONE,
+    DisconnectWatcher,
+    Engine,
+    OpenAIError,
+    add_requests,
+    check_model,
+    check_supported,
+    completion_logprobs,
+    guarded_stream,
+    merge_streams,
+    sampling_params,
+    sse,
+)
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    """What a stream has sent of one choice so far."""
+
+    echoed: bool = False
+    finished: bool = False
+    num_tokens: int = 0
+    text_offset: int = 0
+
+
+@dataclass(slots=True)
+class _StreamState:
+    choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    num_prompt_tokens: dict[int, int] = field(default_factory=dict)
+
+
+class OpenAIServingCompletion:
+    def __init__(self, engine: Engine, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.model_name = served_model_names[0]
+        self.tokenizer = engine.get_tokenizer()
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Any:
+        check_model(request.model, self.served_model_names)
+        check_supported(request)
+        if request.suffix is not None:
+            raise OpenAIError(400, "suffix is not supported", "suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError(400, "best_of other than n is not supported yet", "best_of")
+        prompts = self._prompts(request)
+        params = sampling_params(request, request.max_tokens, request.logprobs)
+        request_id = random_id("cmpl")
+        streams = add_requests(self.engine, request_id, prompts, params)
+        created = int(time.time())
+        watcher = DisconnectWatcher(raw_request, self.engine, streams)
+        if request.stream:
+            body = guarded_stream(self._stream(request, request_id, created, streams), watcher)
+            return StreamingResponse(body, media_type="text/event-stream")
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for index, output in merge_streams(self.engine, streams):
+                finals[index] = output
+        finally:
+            watcher.stop()
+        if len(finals) < len(streams) or not all(o.finished for o in finals.values()):
+            raise OpenAIError(499, "the client disconnected")  # nobody reads this
+        return self._response(request, request_id, created, [finals[i] for i in range(len(finals))])
+
+    def _prompts(self, request: CompletionRequest) -> list[PromptType]:
+        prompt = request.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            items: list[Any] = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise OpenAIError(400, "prompt must not be empty", "prompt")
+        prompts: list[PromptType] = []
+        for item in items:
+            if isinstance(item, str):
+                if request.add_special_tokens:
+                    prompts.append(item)
+                else:
+                    ids = self.tokenizer.encode(item, add_special_tokens=False)
+                    prompts.append({"prompt": item, "prompt_token_ids": ids})
+            else:
+                prompts.append({"prompt_token_ids": list(item)})
+        return prompts
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        text: str = self.tokenizer.decode(output.prompt_token_ids)
+        return text
+
+    def _token_text(self, token_id: int) -> str:
+        return decode_token_for_logprob(self.tokenizer, token_id)
+
+    def _choice(
+        self,
+        request: CompletionRequest,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        index: int,
+        state: _ChoiceState,
+    ) -> CompletionResponseChoice:
+        """One choice (or one stream delta of it); `state` carries echo and offsets across."""
+        text = completion.text
+        echo_ids: list[int] = []
+        if request.echo and not state.echoed:
+            text = self._prompt_text(output) + text
+            echo_ids = output.prompt_token_ids
+            state.echoed = True
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs, state.text_offset = completion_logprobs(
+                echo_ids, None, request.logprobs, self._token_text, state.text_offset
+            )
+            generated, state.text_offset = completion_logprobs(
+                completion.token_ids,
+                completion.logprobs,
+                request.logprobs,
+                self._token_text,
+                state.text_offset,
+            )
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(logprobs, name).extend(getattr(generated, name))
+        state.num_tokens += len(completion.token_ids)
+        return CompletionResponseChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    def _response(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        created: int,
+        outputs: list[RequestOutput],
+    ) -> CompletionResponse:
+        choices = []
+        usage = UsageInfo()
+        for i, output in enumerate(outputs):
+            usage.prompt_tokens += len(output.prompt_token_ids)
+            for completion in output.outputs:
+                state = _ChoiceState()
+                index = i * request.n + completion.index
+                choices.append(self._choice(request, output, completion, index, state))
+                usage.completion_tokens += state.num_tokens
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+        )
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        created: int,
+        streams: list[RequestStream],
+    ) -> AsyncIterator[str]:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        state = _StreamState()
+        async for i, output in merge_streams(self.engine, streams):
+            state.num_prompt_tokens[i] = len(output.prompt_token_ids)
+            for completion in output.outputs:
+                index = i * request.n + completion.index
+                choice_state = state.choices.setdefault(index, _ChoiceState())
+                if choice_state.finished:
+                    continue  # a DELTA output repeats finished sequences
+                choice_state.finished = completion.finish_reason is not None
+                if not (
+                    completion.text
+                    or completion.token_ids
+                    or choice_state.finished
+                    or (request.echo and not choice_state.echoed)
+                ):
+                    continue
+                choice = self._choice(request, output, completion, index, choice_state)
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[choice]
+                )
+                yield sse(chunk, include_usage)
+        if include_usage:
+            num_prompt_tokens = sum(state.num_prompt_tokens.values())
+            num_completion_tokens = sum(c.num_tokens for c in state.choices.values())
+            usage = UsageInfo(
+                prompt_tokens=num_prompt_tokens,
+                completion_tokens=num_completion_tokens,
+                total_tokens=num_prompt_tokens + num_completion_tokens,
+            )
+            chunk = CompletionStreamResponse(
+                id=request_id, created=created, model=self.model_name, choices=[], usage=usage
+            )
+            yield sse(chunk)
+        yield SSE_DONE

@@ -1,0 +1,258 @@
+"""MultiprocExecutor: one spawned worker process per tensor-parallel rank, driven over pipes.
+
+    engine process (scheduler; no model)        worker process of rank r (r = 0 .. tp_size-1)
+    ------------------------------------        ----------------------------------------------
+    pickle (method, args) once, send to every  ──▶ Worker.<method>(*args) ◀─ gloo/NCCL ─▶ peers
+    rank; wait for all replies, a worker's exit ◀── ("ok", result): rank 0's step output, None
+    (its sentinel) or the timeout                   from the others; or ("error", traceback)
+
+Every rank, rank 0 included, is a worker process, so the engine's process never joins a
+process group (several engines, of any tp_size, can live in one process) and a dead rank 0
+is detected like any other.
+
+Failures: an "error" reply, a worker that exits, or no reply within `distributed_timeout_s`
+(a rank stuck in a collective) kill every worker at once and raise EngineDeadError; later
+calls raise it again. Workers end on "shutdown", when the engine's pipe closes, or (checked
+every second) when the engine's process is gone, so none outlives it, even a SIGKILLed one.
+"""
+
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing import connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from pagedserve.config import EngineConfig
+from pagedserve.distributed.parallel_state import get_open_port
+from pagedserve.errors import EngineDeadError
+from pagedserve.step import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 1800.0  # loading and (GPU) profiling a large checkpoint from a slow disk
+_SHUTDOWN_TIMEOUT_S = 5.0
+_PARENT_POLL_S = 1.0
+
+
+class RemoteTraceback(Exception):
+    """A worker's traceback, attached as the cause of the error it raised."""
+
+    def __str__(self) -> str:
+        return f"\n\n(in the worker process)\n{self.args[0]}"
+
+
+@dataclass(slots=True)
+class _WorkerProcess:
+    rank: int
+    process: BaseProcess
+    conn: connection.Connection  # the engine's end of the worker's pipe
+
+
+class MultiprocExecutor:
+    """Ranks as local processes (spawn); see the module docstring for the message path."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        parallel_config = config.parallel_config
+        self.timeout_s = parallel_config.distributed_timeout_s
+        self.dead_reason: str | None = None
+        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        context = multiprocessing.get_context("spawn")
+        self.workers: list[_WorkerProcess] = []
+        for rank in range(parallel_config.tensor_parallel_size):
+            conn, child_conn = context.Pipe()
+            process = context.Process(
+                target=run_worker,
+                args=(config, rank, init_method, child_conn, os.getpid()),
+                name=f"PagedServeWorker-TP{rank}",
+                daemon=True,  # also terminated by multiprocessing at interpreter exit
+            )
+            process.start()
+            child_conn.close()
+            self.workers.append(_WorkerProcess(rank, process, conn))
+        self._finalizer = weakref.finalize(self, stop_workers, self.workers)
+        try:
+            self._block_bytes: int = self._collect("start", STARTUP_TIMEOUT_S)[0]
+        except EngineDeadError as e:  # a worker failed to start: raise its own error if any
+            raise e.__cause__ or e  # noqa: B904 (the cause carries the worker's traceback)
+        logger.info("started %d tensor-parallel workers (pids %s)", len(self.workers),
+                    self.worker_pids)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid or -1 for w in self.workers]
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    def determine_num_blocks(self) -> int:
+        return min(self._call("determine_num_blocks", timeout_s=STARTUP_TIMEOUT_S))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks, timeout_s=STARTUP_TIMEOUT_S)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output: ModelRunnerOutput = self._call(
+            "execute_model", scheduler_output, timeout_s=self.timeout_s
+        )[0]
+        return output
+
+    def shutdown(self) -> None:
+        """Ask every worker to leave its group and exit; kill those that do not. Idempotent."""
+        self._finalizer()
+
+    def _call(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        """Run Worker.<method>(*args) on every rank; the replies in rank order."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        for worker in self.workers:
+            try:
+                worker.conn.send_bytes(message)
+            except OSError:
+                raise self._fail(self._death_note(worker)) from None
+        return self._collect(method, timeout_s)
+
+    def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        """Wait for one reply per rank, watching every worker's exit and the deadline."""
+        replies: dict[int, Any] = {}
+        by_handle: dict[Any, _WorkerProcess] = {w.conn: w for w in self.workers}
+        by_handle.update({w.process.sentinel: w for w in self.workers})
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < len(self.workers):
+            waiting = [w for w in self.workers if w.rank not in replies]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._fail(
+                    f"tensor-parallel worker rank(s) {[w.rank for w in waiting]} did not answer "
+                    f"{what} within {timeout_s:g} s (distributed_timeout_s)"
+                )
+            handles = [w.conn for w in waiting] + [w.process.sentinel for w in self.workers]
+            for handle in connection.wait(handles, remaining):
+                worker = by_handle[handle]
+                # A worker that exits may have sent its error first: read that, not its death.
+                if worker.rank in replies or not worker.conn.poll():
+                    raise self._fail(self._death_note(worker))
+                try:
+                    status, payload = worker.conn.recv()
+                except (EOFError, OSError):
+                    raise self._fail(self._death_note(worker)) from None
+                if status == "error":
+                    raise self._fail(f"tensor-parallel worker rank {worker.rank} failed in "
+                                     f"{what}", _remote_error(*payload))
+                replies[worker.rank] = payload
+        return [replies[rank] for rank in range(len(self.workers))]
+
+    def _fail(self, reason: str, cause: BaseException | None = None) -> EngineDeadError:
+        """Kill every worker now (the others may wait in a collective with the failed one) and
+        return the error to raise."""
+        self.dead_reason = f"{reason}; the engine cannot continue: restart it"
+        logger.error("%s", self.dead_reason)
+        stop_workers(self.workers, graceful=False)
+        error = EngineDeadError(self.dead_reason)
+        error.__cause__ = cause
+        return error
+
+    @staticmethod
+    def _death_note(worker: _WorkerProcess) -> str:
+        worker.process.join(0.5)
+        code = worker.process.exitcode
+        how = (
+            "still running" if code is None
+            else f"killed by {signal.Signals(-code).name}" if code < 0
+            else f"exit code {code}"
+        )
+        return f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) died ({how})"
+
+
+def stop_workers(workers: list[_WorkerProcess], graceful: bool = True) -> None:
+    """Graceful: send "shutdown" and wait up to 5 s. Then SIGKILL whatever still runs (a
+    SIGTERM would stay pending on a stopped process) and reap it."""
+    if graceful:
+        for worker in workers:
+            if worker.process.is_alive():
+                try:
+                    worker.conn.send(("shutdown", ()))
+                except OSError:
+                    pass
+        deadline = time.monotonic() + _SHUTDOWN_TIMEOUT_S
+        for worker in workers:
+            worker.process.join(max(deadline - time.monotonic(), 0))
+    for worker in workers:
+        if worker.process.is_alive():
+            worker.process.kill()
+    for worker in workers:
+        worker.process.join(_SHUTDOWN_TIMEOUT_S)
+        worker.conn.close()
+
+
+def _remote_error(pickled_error: bytes | None, text: str) -> BaseException:
+    """The worker's exception (or a RuntimeError when it does not unpickle), caused by its
+    traceback."""
+    error: BaseException
+    try:
+        error = pickle.loads(pickled_error) if pickled_error is not None else RuntimeError(text)
+    except Exception:
+        error = RuntimeError(text)
+    error.__cause__ = RemoteTraceback(text)
+    return error
+
+
+def run_worker(
+    config: EngineConfig,
+    rank: int,
+    distributed_init_method: str,
+    conn: connection.Connection,
+    parent_pid: int,
+) -> None:
+    """Main of a worker process: start the rank, then serve calls until told to stop."""
+    from pagedserve.worker.worker import Worker
+
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(levelname)s (Worker TP{rank}) %(name)s: %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    try:
+        worker = Worker(config, rank, rank, distributed_init_method)
+        conn.send(("ok", worker.block_bytes))
+        while True:
+            try:
+                method, args = conn.recv()
+            except EOFError:  # the engine closed our pipe
+                break
+            if method == "shutdown":
+                break
+            conn.send(("ok", getattr(worker, method)(*args)))
+        worker.shutdown()
+    except BaseException as e:
+        _send_error(conn, e)
+        os._exit(1)  # no interpreter teardown: a collective library may block in it
+
+
+def _send_error(conn: connection.Connection, error: BaseException) -> None:
+    try:
+        pickled: bytes | None = pickle.dumps(error)
+    except Exception:
+        pickled = None
+    try:
+        conn.send(("error", (pickled, traceback.format_exc())))
+    except OSError:
+        pass
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """End this worker once the engine's process is gone (its children are re-parented)."""
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)

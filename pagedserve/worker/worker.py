@@ -1,0 +1,86 @@
+"""Worker: one tensor-parallel rank; joins the group, loads its shard and runs the model runner.
+
+The executors (`multiproc_executor`, `ray_executor`) host one Worker per rank and call the
+same four methods on every rank each time; only rank 0's step output is returned.
+"""
+
+import os
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.distributed.parallel_state import destroy_distributed, init_distributed
+from pagedserve.step import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.model_runner import ModelRunner
+
+
+def worker_device(device: str, local_rank: int, tp_size: int) -> torch.device:
+    """The device of the rank that is `local_rank` on its host: "cuda:{local_rank}" when
+    `device` is "cuda" (or "auto" with a GPU), else the CPU. Raises ValueError when the host
+    shows fewer GPUs than it has ranks, or when one GPU ("cuda:N") is named for several ranks.
+    """
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if device.startswith("cuda:") and tp_size > 1:
+        raise ValueError(
+            f"device {device!r} names one GPU, but tensor_parallel_size is {tp_size}; use "
+            f"device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    if device.startswith("cuda:"):
+        return torch.device(device)
+    num_gpus = torch.cuda.device_count()
+    if local_rank >= num_gpus:
+        raise ValueError(
+            f"rank {local_rank} of this host needs GPU {local_rank}, but only {num_gpus} are "
+            f"visible; lower tensor_parallel_size or make more GPUs visible"
+        )
+    return torch.device("cuda", local_rank)
+
+
+class Worker:
+    """One rank of the model: its device, its process-group membership and its ModelRunner.
+
+    rank: the tensor-parallel rank (0 samples; every rank runs each step's forward).
+    local_rank: the rank's index among the ranks of its host (its GPU index there).
+    distributed_init_method: "tcp://HOST:PORT" where rank 0 hosts the rendezvous.
+    """
+
+    def __init__(
+        self, config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str
+    ) -> None:
+        self.rank = rank
+        tp_size = config.parallel_config.tensor_parallel_size
+        device = worker_device(config.device_config.device, local_rank, tp_size)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # ranks on one host share its cores; oversubscribing them slows every rank
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
+        init_distributed(
+            rank,
+            tp_size,
+            distributed_init_method,
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout_s=config.parallel_config.distributed_timeout_s,
+        )
+        self.runner = ModelRunner(config, device)
+        self.runner.load_model()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block over all layers on this rank (its KV heads only)."""
+        return self.runner.block_bytes
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; rank 0 returns the sampled tokens, the other ranks None (they need
+        no tokens of their own: the next SchedulerOutput carries every token to feed)."""
+        output = self.runner.execute_model(scheduler_output)
+        return output if self.rank == 0 else None
+
+    def shutdown(self) -> None:
+        destroy_distributed()
