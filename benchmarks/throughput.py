@@ -65,14 +65,14 @@ def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict
     return {"seconds": elapsed, "output_tokens": num_out}
 
 
-def run_hf(args: argparse.Namespace, model: str, requests: list, batched: bool) -> dict:
+def load_hf(args: argparse.Namespace, model: str):  # type: ignore[no-untyped-def]
     import torch
     import transformers
 
     device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available()
                           else "cpu")
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-             "auto": torch.float16 if device.type == "cuda" else torch.float32}[args.dtype]
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    dtype = dtypes.get(args.dtype, torch.float16 if device.type == "cuda" else torch.float32)
     config = transformers.AutoConfig.from_pretrained(model)
     if args.load_format == "dummy":
         hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -80,6 +80,21 @@ def run_hf(args: argparse.Namespace, model: str, requests: list, batched: bool) 
         hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
     hf = hf.to(device).eval()
     hf.generation_config.eos_token_id = None
+    return hf, device
+
+
+def _sync(device) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf(args: argparse.Namespace, model: str, requests: list, batched: bool) -> dict:
+    """transformers `generate`, one request at a time or the whole batch (left padding)."""
+    import torch
+
+    hf, device = load_hf(args, model)
 
     def generate(batch: list) -> int:
         width = max(len(ids) for ids, _ in batch)
@@ -95,16 +110,29 @@ def run_hf(args: argparse.Namespace, model: str, requests: list, batched: bool) 
         return sum(n for _, n in batch)  # tokens that were asked for
 
     generate(requests[:1])  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
     start = time.perf_counter()
-    if batched:
-        num_out = generate(requests)
-    else:
-        num_out = sum(generate([r]) for r in requests)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    num_out = generate(requests) if batched else sum(generate([r]) for r in requests)
+    _sync(device)
     return {"seconds": time.perf_counter() - start, "output_tokens": num_out}
+
+
+def run_hf_continuous(args: argparse.Namespace, model: str, requests: list) -> dict:
+    """transformers' own continuous batching (`generate_batch`), greedy, one output length."""
+    import transformers
+
+    hf, device = load_hf(args, model)
+    max_out = max(n for _, n in requests)
+    config = transformers.GenerationConfig(max_new_tokens=max_out, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
+    hf.generate_batch(inputs=[requests[0][0]], generation_config=config)  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    outputs = hf.generate_batch(inputs=[ids for ids, _ in requests], generation_config=config)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    num_out = sum(len(o.generated_tokens) for o in outputs.values())
+    return {"seconds": seconds, "output_tokens": num_out}
 
 
 def main() -> None:
@@ -129,6 +157,8 @@ def main() -> None:
                         help="also run transformers generate one request at a time")
     parser.add_argument("--hf-batch", action="store_true",
                         help="also run transformers generate on the whole batch at once")
+    parser.add_argument("--hf-continuous", action="store_true",
+                        help="also run transformers generate_batch (its continuous batching)")
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     if args.preset:
@@ -146,6 +176,8 @@ def main() -> None:
         results["transformers (sequential)"] = run_hf(args, model, requests, batched=False)
     if args.hf_batch:
         results["transformers (static batch)"] = run_hf(args, model, requests, batched=True)
+    if args.hf_continuous:
+        results["transformers (generate_batch)"] = run_hf_continuous(args, model, requests)
     num_in = sum(len(ids) for ids, _ in requests)
     print(f"{'engine':<30}{'seconds':>10}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}")
     for name, r in results.items():

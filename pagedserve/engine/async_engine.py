@@ -74,7 +74,9 @@ class AsyncLLMEngine:
         self.engine_args = engine_args
         self.config = engine_args.create_engine_config()
         model_config = self.config.model_config
-        self.tokenizer = load_tokenizer(model_config.tokenizer)
+        self.tokenizer = (
+            None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+        )
         vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0)) or len(self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, model_config.max_model_len, vocab_size, model_config.eos_token_ids

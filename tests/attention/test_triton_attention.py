@@ -251,10 +251,11 @@ def test_padded_decode_batch_writes_only_real_tokens(num_splits: int) -> None:
     scale = 1.0 / math.sqrt(128)
     expected, _ = reference(batch, scale)
     md, num_pad = batch.metadata, 2
+    width = md.block_tables.shape[1]
     padded = AttentionMetadata(
         query_start_loc=torch.cat([md.query_start_loc, md.query_start_loc[-1:].repeat(num_pad)]),
         seq_lens=torch.cat([md.seq_lens, md.seq_lens.new_zeros(num_pad)]),
-        block_tables=torch.cat([md.block_tables, md.block_tables.new_zeros(num_pad, 2)]),
+        block_tables=torch.cat([md.block_tables, md.block_tables.new_zeros(num_pad, width)]),
         slot_mapping=torch.cat([md.slot_mapping, md.slot_mapping.new_full((num_pad,), -1)]),
         max_query_len=1,
         max_seq_len=md.max_seq_len,

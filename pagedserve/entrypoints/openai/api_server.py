@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -73,6 +74,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "")
+        return f"the body is not valid JSON: {reason}".rstrip(": "), None
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     where = f"{param}: " if param else ""
@@ -216,6 +220,9 @@ def run_server(args: argparse.Namespace) -> None:
     from .cli_args import resolve_server_args
 
     args = resolve_server_args(args)
+    prometheus_client.disable_created_metrics()  # no `_created` series, as in vLLM
+    if args.skip_tokenizer_init:
+        raise SystemExit("the server needs a tokenizer; drop --skip-tokenizer-init")
     chat_template = _read_chat_template(args.chat_template)
     sock = _bind_socket(args.host, args.port)
     metrics = EngineMetrics(args.served_model_name[0])

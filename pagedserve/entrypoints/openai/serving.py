@@ -109,11 +109,15 @@ def check_supported(request: SamplingFields) -> None:
 
 
 def sampling_params(
-    request: SamplingFields, max_tokens: int | None, logprobs: int | None
+    request: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    best_of: int | None = None,
 ) -> SamplingParams:
     """SamplingParams of a request (raises InvalidRequestError naming the bad field)."""
     return SamplingParams(
         n=request.n,
+        best_of=best_of,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=0 if request.top_k is None else request.top_k,

@@ -65,10 +65,10 @@ class OpenAIServingCompletion:
         check_supported(request)
         if request.suffix is not None:
             raise OpenAIError(400, "suffix is not supported", "suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise OpenAIError(400, "best_of other than n is not supported yet", "best_of")
+        if request.stream and request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError(400, "best_of other than n cannot be streamed", "best_of")
         prompts = self._prompts(request)
-        params = sampling_params(request, request.max_tokens, request.logprobs)
+        params = sampling_params(request, request.max_tokens, request.logprobs, request.best_of)
         request_id = random_id("cmpl")
         streams = add_requests(self.engine, request_id, prompts, params)
         created = int(time.time())
