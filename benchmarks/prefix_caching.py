@@ -23,11 +23,19 @@ from benchmarks.presets import PRESETS, materialize  # noqa: E402
 def run(model: str, args: argparse.Namespace, caching: bool, prompts: list[list[int]]) -> dict:
     from pagedserve import LLM, SamplingParams
 
-    llm = LLM(model, load_format=args.load_format, skip_tokenizer_init=True, device=args.device,
-              dtype=args.dtype, enable_prefix_caching=caching, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.prefix_len + args.suffix_len + args.output_len)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
-                            detokenize=False)
+    llm = LLM(
+        model,
+        load_format=args.load_format,
+        skip_tokenizer_init=True,
+        device=args.device,
+        dtype=args.dtype,
+        enable_prefix_caching=caching,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.prefix_len + args.suffix_len + args.output_len,
+    )
+    params = SamplingParams(
+        temperature=0, max_tokens=args.output_len, ignore_eos=True, detokenize=False
+    )
     warm = [[7] * 32]
     llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
     scheduler, kv_cache = llm.llm_engine.scheduler, llm.llm_engine.kv_cache
@@ -65,22 +73,39 @@ def main() -> None:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     prefix = [rng.randrange(10, vocab) for _ in range(args.prefix_len)]
-    prompts = [prefix + [rng.randrange(10, vocab) for _ in range(args.suffix_len)]
-               for _ in range(args.num_prompts)]
-    results = {"caching on": run(model, args, True, prompts),
-               "caching off": run(model, args, False, prompts)}
+    prompts = [
+        prefix + [rng.randrange(10, vocab) for _ in range(args.suffix_len)]
+        for _ in range(args.num_prompts)
+    ]
+    results = {
+        "caching on": run(model, args, True, prompts),
+        "caching off": run(model, args, False, prompts),
+    }
     same = results["caching on"]["outputs"] == results["caching off"]["outputs"]
-    print(f"{'':<14}{'seconds':>9}{'req/s':>9}{'out tok/s':>11}{'computed tok':>14}{'hit rate':>10}")
+    print(
+        f"{'':<14}{'seconds':>9}{'req/s':>9}{'out tok/s':>11}{'computed tok':>14}{'hit rate':>10}"
+    )
     for name, r in results.items():
-        print(f"{name:<14}{r['seconds']:>9.2f}{r['req_s']:>9.2f}{r['output_tok_s']:>11.1f}"
-              f"{r['computed_tokens']:>14}{r['hit_rate']:>10.1%}")
+        print(
+            f"{name:<14}{r['seconds']:>9.2f}{r['req_s']:>9.2f}{r['output_tok_s']:>11.1f}"
+            f"{r['computed_tokens']:>14}{r['hit_rate']:>10.1%}"
+        )
     speedup = results["caching off"]["seconds"] / results["caching on"]["seconds"]
     print(f"speed-up from prefix caching: {speedup:.1f}x; identical greedy outputs: {same}")
     for r in results.values():
         del r["outputs"]
-    print(json.dumps({"benchmark": "prefix_caching", "model": args.model or args.preset,
-                      "num_prompts": args.num_prompts, "prefix_len": args.prefix_len,
-                      "results": results, "identical_outputs": same}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "prefix_caching",
+                "model": args.model or args.preset,
+                "num_prompts": args.num_prompts,
+                "prefix_len": args.prefix_len,
+                "results": results,
+                "identical_outputs": same,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -56,13 +56,21 @@ def main() -> None:
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     model = str(materialize(args.preset, Path(tmp.name)))
-    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
-              max_model_len=args.context + args.steps + 8, max_num_seqs=max(args.batch_size, 1),
-              enforce_eager=args.enforce_eager, gpu_memory_utilization=0.9)
+    llm = LLM(
+        model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        max_model_len=args.context + args.steps + 8,
+        max_num_seqs=max(args.batch_size, 1),
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=0.9,
+    )
     engine = llm.llm_engine
     runner = engine.engine_core.executor.runner
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True,
-                            detokenize=False)
+    params = SamplingParams(
+        temperature=0, max_tokens=args.steps + 4, ignore_eos=True, detokenize=False
+    )
     for i in range(args.batch_size):
         engine.add_request(str(i), {"prompt_token_ids": [100 + i] * args.context}, params)
     engine.step()  # prefill
@@ -97,8 +105,9 @@ def main() -> None:
 
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     element = torch.tensor([], dtype=runner.model_dtype).element_size()
-    per_token_kv = sum(2 * layer.num_kv_heads * layer.head_dim * element
-                       for layer in runner.attention_layers)
+    per_token_kv = sum(
+        2 * layer.num_kv_heads * layer.head_dim * element for layer in runner.attention_layers
+    )
     seq_len = args.context + 3 + args.steps // 2
     kv_bytes = args.batch_size * seq_len * per_token_kv
     bandwidth = measure_copy_bandwidth()
@@ -106,17 +115,32 @@ def main() -> None:
     step_med = sorted(step_times)[len(step_times) // 2]
     fwd_med = sorted(forward_times)[len(forward_times) // 2]
     print(f"GPU: {torch.cuda.get_device_name()}  copy bandwidth: {bandwidth / 1e12:.2f} TB/s")
-    print(f"weights {weight_bytes / 1e9:.2f} GB + KV read {kv_bytes / 1e9:.3f} GB -> floor "
-          f"{floor * 1e3:.3f} ms per decode step (batch {args.batch_size}, ~{seq_len} tokens)")
+    print(
+        f"weights {weight_bytes / 1e9:.2f} GB + KV read {kv_bytes / 1e9:.3f} GB -> floor "
+        f"{floor * 1e3:.3f} ms per decode step (batch {args.batch_size}, ~{seq_len} tokens)"
+    )
     print(f"{'measured':<34}{'ms':>9}{'MBU':>8}")
     print(f"{'forward (CUDA events)':<34}{fwd_med * 1e3:>9.3f}{floor / fwd_med:>8.1%}")
     print(f"{'whole engine step (wall clock)':<34}{step_med * 1e3:>9.3f}{floor / step_med:>8.1%}")
-    print(json.dumps({"benchmark": "roofline", "preset": args.preset, "context": args.context,
-                      "batch_size": args.batch_size, "cuda_graphs": graphs is not None,
-                      "copy_bandwidth_Bps": bandwidth, "weight_bytes": weight_bytes,
-                      "kv_bytes": kv_bytes, "floor_s": floor, "forward_s": fwd_med,
-                      "step_s": step_med, "mbu_forward": floor / fwd_med,
-                      "mbu_step": floor / step_med}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "roofline",
+                "preset": args.preset,
+                "context": args.context,
+                "batch_size": args.batch_size,
+                "cuda_graphs": graphs is not None,
+                "copy_bandwidth_Bps": bandwidth,
+                "weight_bytes": weight_bytes,
+                "kv_bytes": kv_bytes,
+                "floor_s": floor,
+                "forward_s": fwd_med,
+                "step_s": step_med,
+                "mbu_forward": floor / fwd_med,
+                "mbu_step": floor / step_med,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from benchmarks.presets import PRESETS, materialize  # noqa: E402
 
 
 def parse_len(text: str) -> tuple[int, int]:
-    """"128" -> (128, 128); "100:1024" -> uniform in [100, 1024]."""
+    """ "128" -> (128, 128); "100:1024" -> uniform in [100, 1024]."""
     low, _, high = text.partition(":")
     return int(low), int(high or low)
 
@@ -44,18 +44,28 @@ def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict
     from pagedserve import LLM, SamplingParams
 
     kwargs = dict(
-        dtype=args.dtype, device=args.device, load_format=args.load_format,
-        max_num_seqs=args.max_num_seqs, skip_tokenizer_init=args.skip_tokenizer_init,
-        enforce_eager=args.enforce_eager, seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        max_num_seqs=args.max_num_seqs,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
     )
-    for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                 "attention_backend"):
+    for name in (
+        "max_model_len",
+        "max_num_batched_tokens",
+        "kv_cache_memory_bytes",
+        "attention_backend",
+    ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     llm = LLM(model, **kwargs)
     prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-              for _, n in requests]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        for _, n in requests
+    ]
     llm.generate(prompts[: min(4, len(prompts))], params[:4], use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -69,8 +79,9 @@ def load_hf(args: argparse.Namespace, model: str):  # type: ignore[no-untyped-de
     import torch
     import transformers
 
-    device = torch.device("cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available()
-                          else "cpu")
+    device = torch.device(
+        "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    )
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     dtype = dtypes.get(args.dtype, torch.float16 if device.type == "cuda" else torch.float32)
     config = transformers.AutoConfig.from_pretrained(model)
@@ -101,12 +112,18 @@ def run_hf(args: argparse.Namespace, model: str, requests: list, batched: bool) 
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, (prompt, _) in enumerate(batch):  # left padding
-            ids[i, width - len(prompt):] = torch.tensor(prompt)
-            mask[i, width - len(prompt):] = 1
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
         n_out = max(n for _, n in batch)
         with torch.no_grad():
-            hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=n_out,
-                        min_new_tokens=n_out, do_sample=False, pad_token_id=0)
+            hf.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=n_out,
+                min_new_tokens=n_out,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return sum(n for _, n in batch)  # tokens that were asked for
 
     generate(requests[:1])  # warm-up
@@ -123,8 +140,9 @@ def run_hf_continuous(args: argparse.Namespace, model: str, requests: list) -> d
 
     hf, device = load_hf(args, model)
     max_out = max(n for _, n in requests)
-    config = transformers.GenerationConfig(max_new_tokens=max_out, do_sample=False,
-                                           eos_token_id=None, pad_token_id=0)
+    config = transformers.GenerationConfig(
+        max_new_tokens=max_out, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     hf.generate_batch(inputs=[requests[0][0]], generation_config=config)  # warm-up
     _sync(device)
     start = time.perf_counter()
@@ -153,12 +171,21 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int)
     parser.add_argument("--attention-backend")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--hf-sequential", action="store_true",
-                        help="also run transformers generate one request at a time")
-    parser.add_argument("--hf-batch", action="store_true",
-                        help="also run transformers generate on the whole batch at once")
-    parser.add_argument("--hf-continuous", action="store_true",
-                        help="also run transformers generate_batch (its continuous batching)")
+    parser.add_argument(
+        "--hf-sequential",
+        action="store_true",
+        help="also run transformers generate one request at a time",
+    )
+    parser.add_argument(
+        "--hf-batch",
+        action="store_true",
+        help="also run transformers generate on the whole batch at once",
+    )
+    parser.add_argument(
+        "--hf-continuous",
+        action="store_true",
+        help="also run transformers generate_batch (its continuous batching)",
+    )
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     if args.preset:
@@ -169,8 +196,9 @@ def main() -> None:
 
         model, args.skip_tokenizer_init = args.model or DEFAULT_MODEL, False
     config = json.loads((Path(model) / "config.json").read_text())
-    requests = make_requests(args.num_prompts, args.input_len, args.output_len,
-                             config["vocab_size"], args.seed)
+    requests = make_requests(
+        args.num_prompts, args.input_len, args.output_len, config["vocab_size"], args.seed
+    )
     results = {"pagedserve": run_pagedserve(args, model, requests)}
     if args.hf_sequential:
         results["transformers (sequential)"] = run_hf(args, model, requests, batched=False)
@@ -181,21 +209,39 @@ def main() -> None:
     num_in = sum(len(ids) for ids, _ in requests)
     print(f"{'engine':<30}{'seconds':>10}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}")
     for name, r in results.items():
-        print(f"{name:<30}{r['seconds']:>10.2f}{len(requests) / r['seconds']:>10.2f}"
-              f"{r['output_tokens'] / r['seconds']:>12.1f}"
-              f"{(num_in + r['output_tokens']) / r['seconds']:>13.1f}")
+        print(
+            f"{name:<30}{r['seconds']:>10.2f}{len(requests) / r['seconds']:>10.2f}"
+            f"{r['output_tokens'] / r['seconds']:>12.1f}"
+            f"{(num_in + r['output_tokens']) / r['seconds']:>13.1f}"
+        )
     ours = results["pagedserve"]["seconds"]
     for name, r in results.items():
         if name != "pagedserve":
             print(f"speed-up over {name}: {r['seconds'] / ours:.1f}x")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()
-    print(json.dumps({"benchmark": "throughput", "model": args.preset or model,
-                      "commit": commit, "num_prompts": len(requests),
-                      "input_len": args.input_len, "output_len": args.output_len,
-                      "device": args.device, "dtype": args.dtype,
-                      "results": {k: {**v, "output_tok_s": v["output_tokens"] / v["seconds"]}
-                                  for k, v in results.items()}}))
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    ).stdout.strip()
+    print(
+        json.dumps(
+            {
+                "benchmark": "throughput",
+                "model": args.preset or model,
+                "commit": commit,
+                "num_prompts": len(requests),
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "device": args.device,
+                "dtype": args.dtype,
+                "results": {
+                    k: {**v, "output_tok_s": v["output_tokens"] / v["seconds"]}
+                    for k, v in results.items()
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ class ModelConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+            raise ValueError(
+                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            )
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 

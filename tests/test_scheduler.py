@@ -26,7 +26,11 @@ def make_scheduler(
 
 
 def make_request(
-    request_id: str, num_prompt: int, max_tokens: int = 4, first_token: int | None = None, **kw: object
+    request_id: str,
+    num_prompt: int,
+    max_tokens: int = 4,
+    first_token: int | None = None,
+    **kw: object,
 ) -> Request:
     """Prompt tokens differ between request ids unless `first_token` makes them equal."""
     params = SamplingParams(max_tokens=max_tokens, eos_token_ids=(2,), **kw)  # type: ignore[arg-type]

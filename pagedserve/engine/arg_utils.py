@@ -191,8 +191,9 @@ def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
         default = getattr(defaults, f.name)
         help_text = f"{_FLAG_HELP.get(f.name, '')} (default: %(default)s)"
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=help_text)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
             continue
         kind = type(default) if default is not None else _optional_type(f.type)
         parser.add_argument(flag, type=kind, default=default, help=help_text)
@@ -208,6 +209,9 @@ def _optional_type(annotation: Any) -> Any:
 
 
 def engine_args_from_namespace(namespace: Any) -> EngineArgs:
-    values = {name: getattr(namespace, name) for name in EngineArgs.field_names()
-              if hasattr(namespace, name)}
+    values = {
+        name: getattr(namespace, name)
+        for name in EngineArgs.field_names()
+        if hasattr(namespace, name)
+    }
     return EngineArgs(**values)

@@ -64,9 +64,12 @@ class EngineCore:
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency for "
             "%d-token requests: %.2fx",
-            num_blocks, block_size, num_blocks * block_size,
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
             num_blocks * self.executor.block_bytes / 2**20,
-            max_model_len, num_blocks / blocks_per_max_request,
+            max_model_len,
+            num_blocks / blocks_per_max_request,
         )
         self.kv_cache = KVCacheManager(
             num_blocks, block_size, config.cache_config.enable_prefix_caching

@@ -13,8 +13,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def make_llm(**kwargs: object) -> LLM:
-    options = dict(dtype="float32", device="cpu", max_model_len=256, block_size=16,
-                   num_gpu_blocks_override=64)
+    options = dict(
+        dtype="float32", device="cpu", max_model_len=256, block_size=16, num_gpu_blocks_override=64
+    )
     options.update(kwargs)
     return LLM(MODEL, **options)  # type: ignore[arg-type]
 
@@ -31,8 +32,10 @@ def story_prompts(llm: LLM, num: int) -> list[list[int]]:
     assert len(prefix) >= 48
     prefix = prefix[:48]
     tails = [" she ran", " the dog", " her mom said", " a bird sang", " Tom came", " it rained"]
-    return [prefix + tokenizer.encode(tails[i % len(tails)], add_special_tokens=False)
-            for i in range(num)]
+    return [
+        prefix + tokenizer.encode(tails[i % len(tails)], add_special_tokens=False)
+        for i in range(num)
+    ]
 
 
 def test_second_request_reuses_the_shared_prefix() -> None:
@@ -49,10 +52,12 @@ def test_second_request_reuses_the_shared_prefix() -> None:
     assert computed == len(second) - 48 + 23
 
     no_cache = make_llm(enable_prefix_caching=False)
-    expected = no_cache.generate([{"prompt_token_ids": p} for p in (first, second)], GREEDY,
-                                 use_tqdm=False)
+    expected = no_cache.generate(
+        [{"prompt_token_ids": p} for p in (first, second)], GREEDY, use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in expected] == [
-        out1.outputs[0].token_ids, out2.outputs[0].token_ids
+        out1.outputs[0].token_ids,
+        out2.outputs[0].token_ids,
     ]
     assert expected[1].num_cached_tokens == 0
 
@@ -71,8 +76,9 @@ def test_concurrent_shared_prefix_equals_sequential() -> None:
     prompts = story_prompts(llm, 6)
     together = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     fresh = make_llm(enable_prefix_caching=False)
-    one_by_one = [fresh.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0]
-                  for p in prompts]
+    one_by_one = [
+        fresh.generate({"prompt_token_ids": p}, GREEDY, use_tqdm=False)[0] for p in prompts
+    ]
     assert [o.outputs[0].token_ids for o in together] == [
         o.outputs[0].token_ids for o in one_by_one
     ]
@@ -81,8 +87,9 @@ def test_concurrent_shared_prefix_equals_sequential() -> None:
 
 def test_tiny_budget_and_cache_equal_ample_ones() -> None:
     ample = make_llm(num_gpu_blocks_override=256)
-    llm = make_llm(max_num_batched_tokens=8, num_gpu_blocks_override=18, max_num_seqs=8,
-                   max_model_len=128)
+    llm = make_llm(
+        max_num_batched_tokens=8, num_gpu_blocks_override=18, max_num_seqs=8, max_model_len=128
+    )
     prompts = story_prompts(llm, 8)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = ample.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -110,8 +117,11 @@ def test_parallel_sampling_shares_prompt_blocks() -> None:
     shared = peak_blocks(engine)
     separate = make_llm(enable_prefix_caching=False).llm_engine
     for i in range(4):
-        separate.add_request(str(i), {"prompt_token_ids": prompt},
-                             SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True))
+        separate.add_request(
+            str(i),
+            {"prompt_token_ids": prompt},
+            SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True),
+        )
     unshared = peak_blocks(separate)
     assert unshared == 4 * 4 and shared == 3 + 4  # the 3 full prompt blocks are held once
     assert engine.kv_cache.num_free_blocks == 64
@@ -124,8 +134,11 @@ def test_seeded_n_is_reproducible_and_best_of_picks_the_most_likely() -> None:
     first = llm.generate(prompt, params, use_tqdm=False)[0]
     again = llm.generate(prompt, params, use_tqdm=False)[0]
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
-    best = llm.generate(prompt, SamplingParams(n=2, best_of=4, temperature=1.0, seed=11,
-                                               max_tokens=10), use_tqdm=False)[0]
+    best = llm.generate(
+        prompt,
+        SamplingParams(n=2, best_of=4, temperature=1.0, seed=11, max_tokens=10),
+        use_tqdm=False,
+    )[0]
     ranked = sorted(first.outputs, key=lambda c: -c.cumulative_logprob)[:2]
     assert [c.index for c in best.outputs] == [0, 1]
     assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked]

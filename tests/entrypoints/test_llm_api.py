@@ -25,7 +25,8 @@ def test_prompt_forms_and_input_order(llm: LLM) -> None:
     ids = tokenizer.encode("The little dog")
     single = llm.generate("Once upon a time", params, use_tqdm=False)
     batch = llm.generate(
-        ["Once upon a time", {"prompt_token_ids": ids}, {"prompt": "Mom said"}], params,
+        ["Once upon a time", {"prompt_token_ids": ids}, {"prompt": "Mom said"}],
+        params,
         use_tqdm=False,
     )
     assert len(single) == 1 and [o.prompt for o in batch] == ["Once upon a time", None, "Mom said"]
@@ -58,23 +59,29 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm: LLM) -> None
     )
     assert batch[1].outputs[0].token_ids == alone
     unseeded = SamplingParams(temperature=1.0, max_tokens=20, seed=99)
-    assert llm.generate("Once upon a time", unseeded, use_tqdm=False)[0].outputs[0].token_ids != alone
+    assert (
+        llm.generate("Once upon a time", unseeded, use_tqdm=False)[0].outputs[0].token_ids != alone
+    )
 
 
 def test_top_k_1_is_greedy(llm: LLM) -> None:
-    greedy = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=15),
-                          use_tqdm=False)
-    top1 = llm.generate("Once upon a time", SamplingParams(temperature=1.5, top_k=1, max_tokens=15),
-                        use_tqdm=False)
+    greedy = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=15), use_tqdm=False
+    )
+    top1 = llm.generate(
+        "Once upon a time", SamplingParams(temperature=1.5, top_k=1, max_tokens=15), use_tqdm=False
+    )
     assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
 
 
 def test_stop_strings_and_stop_token_ids(llm: LLM) -> None:
-    base = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False
+    )[0].outputs[0]
     assert "Lily" in base.text  # ", there was a little girl named Lily. She loved ..."
     stopped = llm.generate(
-        "Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop=["Lily", "zzz"]),
+        "Once upon a time",
+        SamplingParams(temperature=0, max_tokens=40, stop=["Lily", "zzz"]),
         use_tqdm=False,
     )[0].outputs[0]
     assert stopped.text == base.text[: base.text.index("Lily")]
@@ -111,7 +118,8 @@ def test_min_tokens_and_eos(llm: LLM) -> None:
 
 def test_logprobs_match_log_softmax(llm: LLM) -> None:
     out = llm.generate(
-        "Once upon a time", SamplingParams(temperature=0, max_tokens=5, logprobs=3),
+        "Once upon a time",
+        SamplingParams(temperature=0, max_tokens=5, logprobs=3),
         use_tqdm=False,
     )[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 5
@@ -140,13 +148,15 @@ def test_logprobs_match_log_softmax(llm: LLM) -> None:
 
 def test_n_returns_n_sequences(llm: LLM) -> None:
     out = llm.generate(
-        "Once upon a time", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10),
+        "Once upon a time",
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10),
         use_tqdm=False,
     )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     again = llm.generate(
-        "Once upon a time", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10),
+        "Once upon a time",
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10),
         use_tqdm=False,
     )[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
@@ -155,17 +165,24 @@ def test_n_returns_n_sequences(llm: LLM) -> None:
 def test_skip_special_tokens(llm: LLM) -> None:
     # stories260k emits BOS ("<s>") at the end of its story, after about 340 tokens.
     ids = {"prompt_token_ids": [1, 403, 407, 261, 378]}
-    skipped = llm.generate(ids, SamplingParams(temperature=0, max_tokens=360),
-                           use_tqdm=False)[0].outputs[0]
+    skipped = llm.generate(ids, SamplingParams(temperature=0, max_tokens=360), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert 1 in skipped.token_ids and "<s>" not in skipped.text
-    kept = llm.generate(ids, SamplingParams(temperature=0, max_tokens=360,
-                                            skip_special_tokens=False),
-                        use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        ids,
+        SamplingParams(temperature=0, max_tokens=360, skip_special_tokens=False),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert "<s>" in kept.text
     # The stop token that ends a request is not part of the text, as in vLLM.
-    stopped = llm.generate(ids, SamplingParams(temperature=0, max_tokens=360, stop_token_ids=[1],
-                                               skip_special_tokens=False),
-                           use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate(
+        ids,
+        SamplingParams(
+            temperature=0, max_tokens=360, stop_token_ids=[1], skip_special_tokens=False
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert stopped.token_ids[-1] == 1 and "<s>" not in stopped.text
 
 
@@ -174,8 +191,9 @@ def test_bad_input_raises_value_error_naming_limits(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"512 tokens.*max_model_len \(512\)"):
         llm.generate(long_prompt, use_tqdm=False)
     with pytest.raises(ValueError, match=r"prompt \(400 tokens\) \+ max_tokens \(200\).*512"):
-        llm.generate({"prompt_token_ids": [5] * 400}, SamplingParams(max_tokens=200),
-                     use_tqdm=False)
+        llm.generate(
+            {"prompt_token_ids": [5] * 400}, SamplingParams(max_tokens=200), use_tqdm=False
+        )
     with pytest.raises(ValueError, match="empty"):
         llm.generate("", use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -233,11 +251,17 @@ def test_missing_and_unsupported_models(tmp_path: Path) -> None:
 
 
 def test_chat_applies_template_once(tmp_path: Path) -> None:
-    template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+    template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     llm = LLM(dtype="float32", device="cpu", max_model_len=256, kv_cache_memory_bytes=4 << 20)
-    out = llm.chat([{"role": "user", "content": "Tell me a story"}], chat_template=template,
-                   sampling_params=SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "Tell me a story"}],
+        chat_template=template,
+        sampling_params=SamplingParams(temperature=0, max_tokens=5),
+        use_tqdm=False,
+    )[0]
     tokenizer = llm.get_tokenizer()
     text = "<s>user: Tell me a story\nassistant:"
     assert out.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)

@@ -99,18 +99,32 @@ def test_greedy_equals_transformers_with_a_tight_cache(name: str, tmp_path: Path
 def test_real_models_greedy_equal_transformers(model_name: str) -> None:
     model_path = SHARED / "models" / model_name
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    texts = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They",
-             "One day, a big bird", "Sam had a red ball", "Mom said", "The sun was hot and",
-             "Once upon a time, there was a little girl named Lily. She loved to play"]
+    texts = [
+        "Once upon a time",
+        "The little dog",
+        "Lily and Tom went to the park. They",
+        "One day, a big bird",
+        "Sam had a red ball",
+        "Mom said",
+        "The sun was hot and",
+        "Once upon a time, there was a little girl named Lily. She loved to play",
+    ]
     prompts = [tokenizer.encode(t) for t in texts]
     expected = hf_greedy(model_path, prompts, 30)
-    llm = LLM(str(model_path), dtype="float32", block_size=16, num_gpu_blocks_override=12,
-              max_model_len=128, device="cpu")
+    llm = LLM(
+        str(model_path),
+        dtype="float32",
+        block_size=16,
+        num_gpu_blocks_override=12,
+        max_model_len=128,
+        device="cpu",
+    )
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     outputs = llm.generate(texts, params, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == prompts
     assert [o.outputs[0].token_ids for o in outputs] == expected
     for output, ids in zip(outputs, expected, strict=True):
         assert output.outputs[0].text == tokenizer.decode(ids, skip_special_tokens=True) or (
-            output.outputs[0].text.strip() == tokenizer.decode(ids, skip_special_tokens=True).strip()
+            output.outputs[0].text.strip()
+            == tokenizer.decode(ids, skip_special_tokens=True).strip()
         )

@@ -13,15 +13,21 @@ _HERE = Path(__file__).resolve()
 # ../shared/models beside the checkout, or a copy named by PAGEDSERVE_TEST_MODELS (the GPU
 # machine gets only the repository).
 MODELS = Path(os.environ.get("PAGEDSERVE_TEST_MODELS", _HERE.parents[3] / "shared" / "models"))
-PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They",
-           "One day, a big bird", "Sam had a red ball", "Mom said",
-           "The sun was hot and", "Once upon a time, there was a little girl named Lily."]
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park. They",
+    "One day, a big bird",
+    "Sam had a red ball",
+    "Mom said",
+    "The sun was hot and",
+    "Once upon a time, there was a little girl named Lily.",
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
 def generate(model: str, **kwargs: object) -> list[list[int]]:
-    llm = LLM(model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
-              **kwargs)  # type: ignore[arg-type]
+    llm = LLM(model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64, **kwargs)  # type: ignore[arg-type]
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -42,8 +48,13 @@ def test_cuda_graph_replay_equals_eager_bf16(tmp_path: Path) -> None:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
         initializer_range=0.2,
     )
     torch.manual_seed(0)
@@ -55,8 +66,15 @@ def test_cuda_graph_replay_equals_eager_bf16(tmp_path: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
     def run(enforce_eager: bool) -> list[list[int]]:
-        llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", max_model_len=512,
-                  enforce_eager=enforce_eager, max_num_seqs=16, num_gpu_blocks_override=256)
+        llm = LLM(
+            str(tmp_path),
+            dtype="bfloat16",
+            device="cuda",
+            max_model_len=512,
+            enforce_eager=enforce_eager,
+            max_num_seqs=16,
+            num_gpu_blocks_override=256,
+        )
         assert (llm.llm_engine.engine_core.executor.runner.cuda_graphs is None) == enforce_eager
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
