@@ -51,6 +51,7 @@ def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict
         skip_tokenizer_init=args.skip_tokenizer_init,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     for name in (
         "max_model_len",
@@ -171,6 +172,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int)
     parser.add_argument("--attention-backend")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument(
         "--hf-sequential",
         action="store_true",

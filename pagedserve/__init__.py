@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncLLMEngine",
     "CompletionOutput",
     "Logprob",
     "RequestOutput",
@@ -25,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from pagedserve.entrypoints.llm import LLM
 
         return LLM
+    if name == "AsyncLLMEngine":
+        from pagedserve.engine.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

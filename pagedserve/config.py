@@ -20,6 +20,7 @@ class ModelConfig:
     max_model_len: longest prompt + output in tokens; defaults to the model's context length.
     load_format: "auto"/"safetensors" reads the weights, "dummy" fills random weights.
     hf_config: the loaded `transformers.PretrainedConfig` (derived, not a user field).
+    max_logprobs: most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary).
     """
 
     model: str
@@ -31,8 +32,11 @@ class ModelConfig:
     seed: int
     hf_config: Any
     eos_token_ids: tuple[int, ...]
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.load_format not in _LOAD_FORMATS:

@@ -1,11 +1,14 @@
-"""SamplingParams: how to pick each next token and when to stop (vLLM's API)."""
+"""SamplingParams and BeamSearchParams: how to pick next tokens and when to stop (vLLM's API)."""
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 
 _GREEDY_EPSILON = 1e-5  # temperatures below this are treated as greedy, as in vLLM
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 
 class RequestOutputKind(Enum):
@@ -22,7 +25,30 @@ class SamplingParams:
 
     Source: vllm/sampling_params.py (the public fields and their meaning). Validation happens at
     construction and raises `ValueError` (an `InvalidRequestError`) naming the field and the
-    allowed range. `temperature == 0` means greedy decoding.
+    allowed range. Checks that need the model (token ids inside the vocabulary, `max_logprobs`,
+    `truncate_prompt_tokens` <= max_model_len) happen in the engine's InputProcessor.
+
+    n: sequences returned for the prompt. best_of: candidates to choose them from (>= n).
+    presence_penalty, frequency_penalty: in [-2, 2]; subtracted once per distinct generated token
+        / once per occurrence (OpenAI's definition); prompt tokens do not count.
+    repetition_penalty: > 0; every token of the prompt or the output so far has its logit divided
+        by it when positive and multiplied by it when negative (1 = off).
+    temperature: 0 = greedy. top_p: in (0, 1]. top_k: 0 or -1 = off. min_p: in [0, 1], relative
+        to the most likely token.
+    seed: makes the request's samples reproducible, whatever else is in the batch.
+    stop, stop_token_ids, ignore_eos, include_stop_str_in_output: stop rules.
+    bad_words: words never generated (their last token is banned when the output ends with the
+        tokens before it, as in vLLM).
+    max_tokens: output cap (None = up to max_model_len). min_tokens: no EOS or stop token before.
+    logprobs: top-k logprobs per generated token, plus the sampled token's (at most the engine's
+        `max_logprobs`, 20 by default). They are log-softmax of the processed logits: after
+        allowed_token_ids, bad_words, min_tokens, logit_bias, the penalties and the temperature
+        (1 for greedy requests), before the top-k/top-p/min-p cut.
+    prompt_logprobs: the same for each prompt token (raw logits; the first token has none).
+    logit_bias: token id -> bias added to its logit, clamped to [-100, 100] (OpenAI).
+    allowed_token_ids: when given, only these tokens can be generated.
+    truncate_prompt_tokens: keep only the last k prompt tokens (-1: the model's max_model_len).
+    output_kind: what each RequestOutput carries (cumulative, delta or final only).
     """
 
     n: int = 1
@@ -37,6 +63,7 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -46,9 +73,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled by the engine, not by users: EOS ids of the model (tokenizer + generation_config).
+    # Filled by the engine, not by users: EOS ids of the model (tokenizer + generation_config),
+    # and the token ids of each bad word (with and without a leading space).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,39 +92,145 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self._validate_numbers()
         self._validate()
+        self._normalize_token_maps()
+
+    def _validate_numbers(self) -> None:
+        """Types first, so that the range checks below compare numbers."""
+        for name in (
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+        ):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and math.isfinite(value),
+                name,
+                f"must be a finite number, got {value!r}",
+            )
+        for name in ("n", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            _check(_is_int(value), name, f"must be an int, got {value!r}")
+        for name in (
+            "best_of",
+            "seed",
+            "max_tokens",
+            "logprobs",
+            "prompt_logprobs",
+            "truncate_prompt_tokens",
+        ):
+            value = getattr(self, name)
+            _check(value is None or _is_int(value), name, f"must be an int or None, got {value!r}")
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         if self.best_of is not None:
-            _check(self.best_of >= self.n, "best_of", f"must be >= n ({self.n}), got {self.best_of}")
+            _check(
+                self.best_of >= self.n, "best_of", f"must be >= n ({self.n}), got {self.best_of}"
+            )
+            _check(
+                self.best_of == self.n or self.output_kind != RequestOutputKind.DELTA,
+                "best_of",
+                f"must equal n ({self.n}) with output_kind=DELTA (streaming)",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty",
-               f"must be > 0, got {self.repetition_penalty}")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check(-(2**63) <= self.seed < 2**63, "seed", f"must fit in 64 bits, got {self.seed}")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens",
-                   f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _check(value >= 0, name, f"must be >= 0, got {value}")
+        if self.truncate_prompt_tokens is not None:
+            _check(
+                self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1,
+                "truncate_prompt_tokens",
+                f"must be -1 (max_model_len) or at least 1, got {self.truncate_prompt_tokens}",
+            )
+        self._validate_token_lists()
+
+    def _validate_token_lists(self) -> None:
         assert isinstance(self.stop, list)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
-               "must be non-empty strings")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
+        _check(
+            not self.stop or self.detokenize,
+            "stop",
+            "needs detokenize=True (stop strings are matched in the text)",
+        )
         assert self.stop_token_ids is not None
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               f"must be non-negative token ids, got {self.stop_token_ids}")
-        if self.seed is not None:
-            _check(isinstance(self.seed, int), "seed", f"must be an int, got {self.seed!r}")
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be non-negative token ids, got {self.stop_token_ids}",
+        )
+        if self.bad_words is not None:
+            _check(
+                isinstance(self.bad_words, list | tuple)
+                and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                f"must be a list of non-blank strings, got {self.bad_words!r}",
+            )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(
+                isinstance(ids, list | tuple) and len(ids) > 0,
+                "allowed_token_ids",
+                "must be a non-empty list of token ids (None allows every token)",
+            )
+            _check(
+                all(_is_int(t) and t >= 0 for t in ids),
+                "allowed_token_ids",
+                f"must be non-negative token ids, got {ids}",
+            )
+
+    def _normalize_token_maps(self) -> None:
+        """logit_bias keys may arrive as strings (JSON); biases are clamped to [-100, 100]."""
+        if self.logit_bias is None:
+            return
+        _check(
+            isinstance(self.logit_bias, dict),
+            "logit_bias",
+            f"must map token ids to biases, got {self.logit_bias!r}",
+        )
+        bias: dict[int, float] = {}
+        for token, value in self.logit_bias.items():
+            try:
+                token_id = int(token)
+            except (TypeError, ValueError):
+                token_id = -1
+            _check(token_id >= 0, "logit_bias", f"keys must be token ids, got {token!r}")
+            _check(
+                _is_number(value) and not math.isnan(value),
+                "logit_bias",
+                f"values must be numbers, got {value!r} for token {token_id}",
+            )
+            bias[token_id] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, float(value)))
+        self.logit_bias = bias
 
     @property
     def is_greedy(self) -> bool:
@@ -111,7 +249,67 @@ class SamplingParams:
             ids.update(self.eos_token_ids)
         return ids
 
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
-def _check(ok: bool, name: str, message: str) -> None:
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Parameters of `LLM.beam_search` (vLLM's `BeamSearchParams`).
+
+    beam_width: beams kept per prompt, and sequences returned. max_tokens: tokens to generate.
+    length_penalty: a finished beam scores cumulative logprob / (generated tokens ** it).
+    ignore_eos: EOS does not finish a beam. temperature: divides the logits before the
+    log-softmax that scores candidates (0 = plain log-softmax, as transformers does).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check(
+            _is_int(self.beam_width) and self.beam_width >= 1,
+            "beam_width",
+            f"must be at least 1, got {self.beam_width!r}",
+            "BeamSearchParams",
+        )
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be at least 1, got {self.max_tokens!r}",
+            "BeamSearchParams",
+        )
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0.0,
+            "temperature",
+            f"must be >= 0, got {self.temperature!r}",
+            "BeamSearchParams",
+        )
+        _check(
+            _is_number(self.length_penalty) and math.isfinite(self.length_penalty),
+            "length_penalty",
+            f"must be a finite number, got {self.length_penalty!r}",
+            "BeamSearchParams",
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, message: str, owner: str = "SamplingParams") -> None:
     if not ok:
-        raise InvalidRequestError(f"SamplingParams.{name} {message}")
+        raise InvalidRequestError(f"{owner}.{name} {message}")

@@ -10,6 +10,7 @@ from pagedserve.request import FINISH_REASONS, Request, RequestStatus
 from pagedserve.step import (
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobsData,
     SampleLogprobsData,
     ScheduledRequest,
     SchedulerOutput,
@@ -26,6 +27,7 @@ class EngineCoreOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    prompt_logprobs: PromptLogprobsData | None = None  # of the prompt chunk computed this step
 
 
 @dataclass(slots=True)
@@ -145,7 +147,11 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            hits, num_hit_tokens = (
+                self.kv_cache.get_computed_blocks(request)
+                if request.sampling_params.prompt_logprobs is None
+                else ([], 0)  # prompt logprobs need every prompt position to run
+            )
             num_new_tokens = request.num_tokens - num_hit_tokens
             if num_new_tokens > plan.token_budget:
                 if not self.config.enable_chunked_prefill:
@@ -162,7 +168,10 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             plan.new_requests.append(
                 NewRequestData(
-                    request.request_id, request.num_prompt_tokens, request.sampling_params
+                    request.request_id,
+                    request.num_prompt_tokens,
+                    request.sampling_params,
+                    request.prompt_token_ids,
                 )
             )
             plan.add(request, num_new_tokens, new_block_ids)
@@ -180,6 +189,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply the stop rules and free finished requests."""
         outputs = []
+        prompt_logprobs = runner_output.prompt_logprobs
         for request_id, token_id, logprobs in zip(
             runner_output.request_ids,
             runner_output.sampled_token_ids,
@@ -203,8 +213,15 @@ class Scheduler:
                     finish_reason=FINISH_REASONS[status].value if status else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    prompt_logprobs=prompt_logprobs.get(request_id),
                 )
             )
+        sampled_ids = set(runner_output.request_ids) if prompt_logprobs else set()
+        for request_id, data in prompt_logprobs.items():  # prefill chunks that sampled nothing
+            request = self.requests.get(request_id)
+            running = request is not None and request.status == RequestStatus.RUNNING
+            if running and request_id not in sampled_ids:
+                outputs.append(EngineCoreOutput(request_id, [], None, None, None, 0, data))
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

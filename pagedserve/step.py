@@ -9,12 +9,15 @@ from pagedserve.sampling_params import SamplingParams
 class NewRequestData:
     """Sent once when a request is first scheduled, or again when it resumes after preemption.
 
-    The worker (re)creates its per-request state from it, with an empty block table.
+    The worker (re)creates its per-request state from it, with an empty block table. It needs
+    the prompt's tokens even where the prefix cache spares feeding them: repetition penalties
+    count them, and prompt logprobs score them.
     """
 
     request_id: str
     num_prompt_tokens: int
     sampling_params: SamplingParams
+    prompt_token_ids: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +68,25 @@ class SampleLogprobsData:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobsData:
+    """Logprobs of the prompt tokens scored in one step (a prefill chunk), from the raw logits.
+
+    Row i is prompt token `first_position + i` (>= 1: the first prompt token has no logprob):
+    that token first, then the top-k, as in SampleLogprobsData.
+    """
+
+    first_position: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # of each prompt token (1 = the most likely)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """Sampled tokens of the requests whose step ended with `sample`, in batch order."""
+    """Sampled tokens of the requests whose step ended with `sample`, in batch order, and the
+    prompt logprobs of the requests that ask for them (sampled this step or not)."""
 
     request_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[SampleLogprobsData | None]  # per sampled request; None when not asked
+    prompt_logprobs: dict[str, PromptLogprobsData] = field(default_factory=dict)

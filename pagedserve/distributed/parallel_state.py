@@ -10,6 +10,7 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -38,12 +39,12 @@ def get_tp_size() -> int:
 
 
 def init_distributed(
-    tp_rank: int, tp_size: int, init_method: str, backend: str, timeout_s: float
+    tp_rank: int, tp_size: int, init_method: str, device: torch.device, timeout_s: float
 ) -> None:
     """Join the tensor-parallel group (the default process group) as `tp_rank`.
 
     init_method: "tcp://HOST:PORT" of rank 0's rendezvous store.
-    backend: "nccl" on GPUs, "gloo" on CPU.
+    device: this rank's device; NCCL on a GPU, gloo on the CPU.
     timeout_s: how long the rendezvous and every collective may wait for the other ranks
         before raising (gloo) or aborting the process (NCCL's watchdog): a dead or stuck
         peer never hangs this rank forever.
@@ -52,12 +53,15 @@ def init_distributed(
     if tp_size == 1:
         return  # no collectives: comm's functions are the identity
     dist.init_process_group(
-        backend=backend,
+        backend="nccl" if device.type == "cuda" else "gloo",
         init_method=init_method,
         rank=tp_rank,
         world_size=tp_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    # One all-reduce now: NCCL builds its communicator lazily, on the first collective, which
+    # must not be inside a CUDA graph capture; and a broken link fails at startup, not mid-step.
+    dist.all_reduce(torch.ones(1, device=device))
 
 
 def destroy_distributed() -> None:

@@ -33,6 +33,7 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    max_logprobs: int = 20
     load_format: str = "auto"
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -83,6 +84,7 @@ class EngineArgs:
             seed=self.seed,
             hf_config=hf_config,
             eos_token_ids=read_eos_token_ids(self.model, hf_config),
+            max_logprobs=self.max_logprobs,
         )
         return EngineConfig(
             model_config=model_config,
@@ -160,6 +162,7 @@ _FLAG_HELP = {
     "dtype": "auto, float32, float16 or bfloat16",
     "seed": "random seed of the engine",
     "max_model_len": "longest prompt + output in tokens (default: the model's context)",
+    "max_logprobs": "most logprobs or prompt_logprobs a request may ask for (-1: no cap)",
     "load_format": "auto/safetensors (read weights) or dummy (random weights)",
     "block_size": "tokens per KV cache block (a power of two)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",

@@ -77,9 +77,15 @@ class AsyncLLMEngine:
         self.tokenizer = (
             None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
         )
-        vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0)) or len(self.tokenizer)
+        vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0))
+        if not vocab_size and self.tokenizer is not None:
+            vocab_size = len(self.tokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, model_config.max_model_len, vocab_size, model_config.eos_token_ids
+            self.tokenizer,
+            model_config.max_model_len,
+            vocab_size,
+            model_config.eos_token_ids,
+            model_config.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.log_requests = log_requests

@@ -11,14 +11,16 @@ first item names the message:
         ["shutdown"]
     core -> server (PUSH/PULL, "output"):
         ["outputs", [output, ...], stats, queue_times]   after each step or handled input
-            output: [request_id, new_token_ids, logprobs, finish_reason, stop_reason,
-                     num_cached_tokens], logprobs = [token_ids, logprobs, sampled_rank] or nil
+            output: the EngineCoreOutput fields in order; a field holding a dataclass
+                (SampleLogprobsData, ...) is the list of that one's fields, or nil
             stats: the SchedulerStats fields in order
             queue_times: [[request_id, seconds from arrival to first scheduling], ...]
         ["error", traceback_text]   the loop failed; the process exits right after
 
 Startup goes over a multiprocessing pipe, once: ("ready", num_blocks) or ("error", text).
-The core exits on "shutdown", when its parent process is gone, or on an error.
+The core binds "input" and the server connects to it once the core is ready; the server binds
+"output". Neither side has a high-water mark, so sends never block. The core exits on
+"shutdown", when its parent process is gone (checked while idle), or on an error.
 """
 
 import dataclasses
@@ -27,13 +29,13 @@ import os
 import signal
 import time
 import traceback
+import typing
 from typing import Any
 
 import msgpack
 
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.scheduler import EngineCoreOutput
-from pagedserve.step import SampleLogprobsData
 
 logger = logging.getLogger(__name__)
 
@@ -55,24 +57,35 @@ def decode_sampling_params(values: dict[str, Any]) -> SamplingParams:
 
 
 def encode_output(output: EngineCoreOutput) -> list[Any]:
-    data = output.logprobs
-    logprobs = None if data is None else [data.token_ids, data.logprobs, data.sampled_rank]
-    return [
-        output.request_id,
-        output.new_token_ids,
-        logprobs,
-        output.finish_reason,
-        output.stop_reason,
-        output.num_cached_tokens,
-    ]
+    """The fields in order; nested dataclasses (logprobs data) as lists of their fields."""
+    return [_plain(getattr(output, f.name)) for f in dataclasses.fields(output)]
 
 
 def decode_output(values: list[Any]) -> EngineCoreOutput:
-    request_id, new_token_ids, logprobs, finish_reason, stop_reason, num_cached_tokens = values
-    data = None if logprobs is None else SampleLogprobsData(*logprobs)
-    return EngineCoreOutput(
-        request_id, new_token_ids, data, finish_reason, stop_reason, num_cached_tokens
-    )
+    kwargs = {}
+    for f, value in zip(dataclasses.fields(EngineCoreOutput), values, strict=True):
+        nested = _NESTED_TYPES.get(f.name)
+        kwargs[f.name] = nested(*value) if nested is not None and value is not None else value
+    return EngineCoreOutput(**kwargs)
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, f.name) for f in dataclasses.fields(value)]
+    return value
+
+
+def _nested_types() -> dict[str, Any]:
+    """Field name -> dataclass, for the fields of EngineCoreOutput that hold one."""
+    nested = {}
+    for name, hint in typing.get_type_hints(EngineCoreOutput).items():
+        for arg in typing.get_args(hint) or (hint,):
+            if dataclasses.is_dataclass(arg):
+                nested[name] = arg
+    return nested
+
+
+_NESTED_TYPES = _nested_types()
 
 
 def pack(message: list[Any]) -> bytes:

@@ -29,10 +29,14 @@ class InputProcessor:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
+        max_logprobs: int = 20,
     ) -> None:
+        """max_logprobs: most logprobs or prompt_logprobs a request may ask for (-1: the
+        vocabulary size)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         ids = list(eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             if tokenizer.eos_token_id not in ids:
@@ -41,10 +45,12 @@ class InputProcessor:
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         """Raises InvalidRequestError (a ValueError) for an empty prompt, token ids outside
-        the vocabulary, or a prompt (+ max_tokens) longer than max_model_len."""
+        the vocabulary (prompt or sampling parameters), a prompt (+ max_tokens) longer than
+        max_model_len, or more logprobs than max_logprobs."""
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token")
+        token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
@@ -65,14 +71,71 @@ class InputProcessor:
                 f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len}); "
                 f"shorten the prompt or lower max_tokens"
             )
-        for token_id in params.stop_token_ids or []:
-            if token_id >= self.vocab_size:
+        self._check_sampling_params(params)
+        resolved = dataclasses.replace(
+            params,
+            eos_token_ids=self.eos_token_ids,
+            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+        )
+        return ProcessedPrompt(text, token_ids, resolved, max_tokens)
+
+    def _truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """Keep the last `truncate_prompt_tokens` tokens (-1: max_model_len), as vLLM."""
+        if truncate_prompt_tokens is None:
+            return token_ids
+        num_kept = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if num_kept > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens ({num_kept}) is larger than max_model_len "
+                f"({self.max_model_len}); lower it"
+            )
+        return token_ids[-num_kept:]
+
+    def _check_sampling_params(self, params: SamplingParams) -> None:
+        """The checks that need the model: token ids inside the vocabulary, max_logprobs."""
+        token_id_lists = {
+            "stop_token_ids": params.stop_token_ids or [],
+            "logit_bias": list(params.logit_bias or {}),
+            "allowed_token_ids": params.allowed_token_ids or [],
+        }
+        for name, token_ids in token_id_lists.items():
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
                 raise InvalidRequestError(
-                    f"stop_token_ids contains {token_id}, outside the vocabulary "
+                    f"{name} contains token id {bad[0]}, outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
-        resolved = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)
-        return ProcessedPrompt(text, token_ids, resolved, max_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name} ({value}) is more than max_logprobs ({self.max_logprobs}); ask for "
+                    f"fewer, or start the engine with a larger max_logprobs"
+                )
+
+    def _bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
+        """Token ids of each bad word, alone and after a space when that tokenizes to other
+        tokens of the same count (vLLM's `update_from_tokenizer`)."""
+        if not bad_words:
+            return None
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs a tokenizer; this engine has none")
+        words: list[list[int]] = []
+        for word in bad_words:
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain:
+                continue
+            words.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                words.append(spaced)
+        bad = [t for word in words for t in word if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"bad_words tokenize to token id {bad[0]}, outside the model's vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        return words
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

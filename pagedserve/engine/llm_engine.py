@@ -65,7 +65,11 @@ class LLMEngine:
         self.engine_core = EngineCore(config)
         vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0)) or len(self.tokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, model_config.max_model_len, vocab_size, model_config.eos_token_ids
+            self.tokenizer,
+            model_config.max_model_len,
+            vocab_size,
+            model_config.eos_token_ids,
+            model_config.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

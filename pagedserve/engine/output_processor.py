@@ -4,9 +4,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer, decode_token_for_logprob
-from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from pagedserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.scheduler import EngineCoreOutput
+from pagedserve.step import PromptLogprobsData
 
 
 @dataclass(slots=True)
@@ -35,6 +42,9 @@ class _RequestState:
     params: SamplingParams
     sequences: list[_SequenceState]
     num_cached_tokens: int = 0
+    # [None, then one entry per prompt token], filled chunk by chunk; None when not asked.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once, in the first output
 
     @property
     def finished(self) -> bool:
@@ -81,7 +91,12 @@ class OutputProcessor:
             sequences.append(state)
             self.child_to_parent[child_id] = (request_id, index)
         self.requests[request_id] = _RequestState(
-            request_id, prompt, prompt_token_ids, params, sequences
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            sequences,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -110,6 +125,10 @@ class OutputProcessor:
                 continue
             state = self.requests[parent[0]]
             seq = state.sequences[parent[1]]
+            if output.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, output.prompt_logprobs)
+            if not output.new_token_ids and output.finish_reason is None:
+                continue  # a prefill chunk: nothing to hand out yet
             state.num_cached_tokens = output.num_cached_tokens
             if self._update_sequence(seq, output):
                 stopped.append(output.request_id)
@@ -132,14 +151,7 @@ class OutputProcessor:
             seq.cumulative_logprob += output.logprobs.logprobs[0]
         if seq.logprobs is not None and output.logprobs is not None:
             data = output.logprobs
-            entry = {}
-            for rank, (token_id, logprob) in enumerate(
-                zip(data.token_ids[1:], data.logprobs[1:], strict=True), start=1
-            ):
-                entry[token_id] = Logprob(logprob, rank, self._token_text(token_id))
-            entry[data.token_ids[0]] = Logprob(
-                data.logprobs[0], data.sampled_rank, self._token_text(data.token_ids[0])
-            )
+            entry = self._logprob_entry(data.token_ids, data.logprobs, data.sampled_rank)
             seq.logprobs.append(entry)
         seq.finish_reason, seq.stop_reason = output.finish_reason, output.stop_reason
         if seq.detokenizer is not None:
@@ -152,6 +164,34 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = "stop", stop_string
                 return True
         return False
+
+    def _add_prompt_logprobs(self, state: _RequestState, data: PromptLogprobsData) -> None:
+        """Append a chunk's entries, skipping positions already known (the n sequences of a
+        request all score the prompt; a preempted request scores it again)."""
+        prompt_logprobs = state.prompt_logprobs
+        if prompt_logprobs is None:
+            return
+        assert data.first_position <= len(prompt_logprobs), "prompt logprobs out of order"
+        num_known = len(prompt_logprobs) - data.first_position
+        for token_ids, logprobs, rank in zip(
+            data.token_ids[num_known:],
+            data.logprobs[num_known:],
+            data.ranks[num_known:],
+            strict=True,
+        ):
+            prompt_logprobs.append(self._logprob_entry(token_ids, logprobs, rank))
+
+    def _logprob_entry(
+        self, token_ids: list[int], logprobs: list[float], rank: int
+    ) -> dict[int, Logprob]:
+        """One position: the sampled (or prompt) token with its rank, then the top-k."""
+        entry = {token_ids[0]: Logprob(logprobs[0], rank, self._token_text(token_ids[0]))}
+        for top_rank, (token_id, logprob) in enumerate(
+            zip(token_ids[1:], logprobs[1:], strict=True), start=1
+        ):
+            if token_id not in entry:
+                entry[token_id] = Logprob(logprob, top_rank, self._token_text(token_id))
+        return entry
 
     def _token_text(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -186,11 +226,15 @@ class OutputProcessor:
                 )
             )
             seq.num_sent_tokens = len(seq.token_ids)
+        prompt_logprobs = state.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs = [] if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            prompt_logprobs=None,
+            prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,

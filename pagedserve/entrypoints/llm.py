@@ -8,11 +8,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from pagedserve.engine.beam_search import BeamSearchOutput, beam_search
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import InvalidRequestError
-from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -71,6 +72,70 @@ class LLM:
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's `LLM.beam_search`): every step runs each beam
+        as a one-token request asking for 2 * beam_width logprobs; beams share their prefix's
+        KV blocks through the prefix cache. Outputs equal transformers' `generate(num_beams=
+        beam_width, length_penalty=..., early_stopping="never")`; see `engine.beam_search`.
+
+        Raises ValueError when 2 * beam_width exceeds the engine's max_logprobs.
+        """
+        engine = self.llm_engine
+        num_candidates = 2 * params.beam_width
+        max_logprobs = engine.input_processor.max_logprobs
+        if num_candidates > max_logprobs:
+            raise InvalidRequestError(
+                f"beam_width {params.beam_width} needs 2 * beam_width = {num_candidates} "
+                f"logprobs per step, more than max_logprobs ({max_logprobs}); lower "
+                f"beam_width or raise max_logprobs"
+            )
+        step_params = SamplingParams(
+            temperature=params.temperature,
+            max_tokens=1,
+            logprobs=num_candidates,
+            ignore_eos=True,
+            detokenize=False,
+        )
+
+        bar = tqdm(total=params.max_tokens, desc="Beam search steps", disable=not use_tqdm)
+
+        def step(token_ids: list[list[int]]) -> list[dict[int, Logprob]]:
+            prompts = [{"prompt_token_ids": t} for t in token_ids]
+            outputs = self._run(prompts, [step_params] * len(prompts), use_tqdm=False)
+            bar.update(1)
+            return [output.outputs[0].logprobs[0] for output in outputs]  # type: ignore[index]
+
+        prompt_token_ids = [self._prompt_token_ids(prompt) for prompt in prompts]
+        with bar:
+            outputs = beam_search(
+                step,
+                prompt_token_ids,
+                params,
+                engine.input_processor.eos_token_ids,
+                engine.config.model_config.max_model_len,
+            )
+        tokenizer = self.get_tokenizer()
+        for output in outputs:
+            for sequence in output.sequences:
+                sequence.text = tokenizer.decode(sequence.tokens) if tokenizer else None
+        return outputs
+
+    def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+        tokenizer = self.get_tokenizer()
+        if not isinstance(text, str) or tokenizer is None:
+            raise InvalidRequestError(
+                "beam_search prompts are strings, {'prompt': str} or {'prompt_token_ids': [...]}"
+            )
+        return list(tokenizer.encode(text))
 
     def chat(
         self,

@@ -102,9 +102,16 @@ def iterate_safetensor_slices(files: Sequence[Path]) -> Iterator[tuple[str, torc
 
 
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -151,7 +158,7 @@ class SafetensorsSlice:
 
     def narrow(self, dim: int, start: int, length: int) -> "SafetensorsSlice":
         dim = dim % self.dim()
-        if not (0 <= start and length >= 0 and start + length <= self.shape[dim]):
+        if not (start >= 0 and length >= 0 and start + length <= self.shape[dim]):
             raise IndexError(f"narrow({dim}, {start}, {length}) out of range for {self.shape}")
         stored_dim = self.dim() - 1 - dim if self._transposed else dim
         window = list(self._window)

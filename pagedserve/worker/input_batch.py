@@ -17,7 +17,7 @@ class CachedRequestState:
     request_id: str
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    generator: torch.Generator | None  # the request's own RNG when it has a seed
+    prompt_token_ids: list[int]  # scored by prompt logprobs
     block_ids: list[int] = field(default_factory=list)  # block table
 
 

@@ -11,13 +11,15 @@ from pagedserve.models.loader import load_model
 from pagedserve.step import (
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobsData,
     SampleLogprobsData,
     ScheduledRequest,
     SchedulerOutput,
 )
 from pagedserve.worker.cuda_graph import CudaGraphRunner
 from pagedserve.worker.input_batch import CachedRequestState, ModelInput, build_model_input
-from pagedserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagedserve.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
+from pagedserve.worker.sampling_metadata import SamplingMetadata, SamplingStateManager
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +55,8 @@ def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.d
 class ModelRunner:
     """Runs the model for a SchedulerOutput and returns the sampled tokens.
 
-    Keeps each running request's state (block table, sampling parameters, generator); the
-    scheduler sends only what changed each step.
+    Keeps each running request's state (block table, prompt, sampling state); the scheduler
+    sends only what changed each step.
     """
 
     def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
@@ -69,6 +71,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.sampling_states = SamplingStateManager(_vocab_size(config), self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
         self.backend = get_attention_backend(config.device_config.attention_backend, self.device)
 
@@ -190,68 +193,78 @@ class ModelRunner:
             hidden_states = self.model(
                 model_input.input_ids, model_input.positions, attn_metadata
             )
+        prompt_logprobs = self._prompt_logprobs(hidden_states, scheduler_output, model_input)
         if not model_input.sampled_request_ids:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], [], prompt_logprobs)
         logits = self.model.compute_logits(hidden_states[model_input.logits_indices])
         metadata = self._sampling_metadata(model_input)
         sampler_output = self.sampler.forward(logits, metadata)
-        return _to_runner_output(model_input, sampler_output, metadata)
+        return _to_runner_output(model_input, sampler_output, metadata, prompt_logprobs)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+            self.sampling_states.remove_request(request_id)
         for new in scheduler_output.new_requests:
             self.states[new.request_id] = self._new_state(new)
         for scheduled in scheduler_output.scheduled_requests:
             self.states[scheduled.request_id].block_ids.extend(scheduled.new_block_ids)
+        self.sampling_states.record_fed_tokens(scheduler_output.scheduled_requests)
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
-        old = self.states.get(new.request_id)  # resumed after preemption: keep its RNG
-        generator = old.generator if old is not None else None
-        if generator is None and new.sampling_params.seed is not None:
-            generator = torch.Generator(self.device)
-            generator.manual_seed(new.sampling_params.seed)
+        """A request resumed after preemption starts a new block table but keeps its sampling
+        state (token counts, seed), which `add_request` leaves as it is."""
+        self.sampling_states.add_request(
+            new.request_id, new.sampling_params, new.prompt_token_ids
+        )
         return CachedRequestState(
-            new.request_id, new.num_prompt_tokens, new.sampling_params, generator
+            new.request_id, new.num_prompt_tokens, new.sampling_params, new.prompt_token_ids
         )
 
     def _sampling_metadata(self, model_input: ModelInput) -> SamplingMetadata:
-        params = [self.states[r].sampling_params for r in model_input.sampled_request_ids]
-        greedy = [p.is_greedy for p in params]
-        vocab_size = int(getattr(self.config.model_config.hf_config, "vocab_size", 0)) or 1 << 30
-        generators, banned = {}, {}
-        for row, request_id in enumerate(model_input.sampled_request_ids):
-            state = self.states[request_id]
-            if state.generator is not None and not greedy[row]:
-                generators[row] = state.generator
-            num_outputs = model_input.sampled_seq_lens[row] - state.num_prompt_tokens
-            stop_ids = params[row].all_stop_token_ids
-            if num_outputs < params[row].min_tokens and stop_ids:
-                banned[row] = sorted(t for t in stop_ids if t < vocab_size)
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        use_top_k = any(p.top_k > 0 for p in params)
-        use_top_p = any(p.top_p < 1.0 for p in params)
-        use_min_p = any(p.min_p > 0.0 for p in params)
-        return SamplingMetadata(
-            temperature=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                               torch.float32),
-            greedy=tensor(greedy, torch.bool),
-            all_greedy=all(greedy),
-            top_k=tensor([p.top_k or vocab_size for p in params], torch.int64)
-            if use_top_k else None,
-            top_p=tensor([p.top_p for p in params], torch.float32) if use_top_p else None,
-            min_p=tensor([p.min_p for p in params], torch.float32) if use_min_p else None,
-            generators=generators,
-            banned_token_ids=banned,
-            num_logprobs=[p.logprobs for p in params],
+        return self.sampling_states.build_metadata(
+            model_input.sampled_request_ids, model_input.sampled_seq_lens
         )
+
+    def _prompt_logprobs(
+        self,
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
+        scheduler_output: SchedulerOutput,
+        model_input: ModelInput,
+    ) -> dict[str, PromptLogprobsData]:
+        """Logprobs of the prompt tokens this step scores, for the requests that ask: the
+        hidden state at position j scores prompt token j + 1."""
+        if self.sampling_states.num_prompt_logprob_requests == 0:
+            return {}
+        assert self.model is not None
+        starts = model_input.attn_metadata.query_start_loc_cpu.tolist()
+        result = {}
+        for i, scheduled in enumerate(scheduler_output.scheduled_requests):
+            state = self.states[scheduled.request_id]
+            num_logprobs = state.sampling_params.prompt_logprobs
+            first = scheduled.num_computed_tokens
+            end = min(first + scheduled.num_new_tokens, state.num_prompt_tokens - 1)
+            if num_logprobs is None or end <= first:
+                continue
+            result[scheduled.request_id] = compute_prompt_logprobs(
+                self.model.compute_logits,
+                hidden_states[starts[i] : starts[i] + end - first],
+                state.prompt_token_ids[first + 1 : end + 1],
+                num_logprobs,
+                first + 1,
+            )
+        return result
+
+
+def _vocab_size(config: EngineConfig) -> int:
+    return int(config.model_config.hf_config.vocab_size)
 
 
 def _to_runner_output(
-    model_input: ModelInput, out: SamplerOutput, metadata: SamplingMetadata
+    model_input: ModelInput,
+    out: SamplerOutput,
+    metadata: SamplingMetadata,
+    prompt_logprobs: dict[str, PromptLogprobsData],
 ) -> ModelRunnerOutput:
     sampled = out.sampled_token_ids.tolist()
     logprobs: list[SampleLogprobsData | None] = [None] * len(sampled)
@@ -259,12 +272,12 @@ def _to_runner_output(
         assert out.logprob_token_ids is not None and out.sampled_ranks is not None
         token_ids, values = out.logprob_token_ids.tolist(), out.logprobs.tolist()
         ranks = out.sampled_ranks.tolist()
-        for row, num in enumerate(metadata.num_logprobs):
-            if num is not None:
-                logprobs[row] = SampleLogprobsData(
-                    token_ids[row][: 1 + num], values[row][: 1 + num], ranks[row]
-                )
-    return ModelRunnerOutput(model_input.sampled_request_ids, sampled, logprobs)
+        wanted = [(row, n) for row, n in enumerate(metadata.num_logprobs) if n is not None]
+        for i, (row, num) in enumerate(wanted):  # the order of metadata.logprob_rows
+            logprobs[row] = SampleLogprobsData(
+                token_ids[i][: 1 + num], values[i][: 1 + num], ranks[i]
+            )
+    return ModelRunnerOutput(model_input.sampled_request_ids, sampled, logprobs, prompt_logprobs)
 
 
 def _profiling_step(num_reqs: int, seq_len: int, block_size: int) -> SchedulerOutput:
@@ -274,7 +287,9 @@ def _profiling_step(num_reqs: int, seq_len: int, block_size: int) -> SchedulerOu
     new, scheduled = [], []
     for i in range(num_reqs):
         request_id = f"__profile_{i}"
-        new.append(NewRequestData(request_id, seq_len, SamplingParams(temperature=1.0)))
+        new.append(
+            NewRequestData(request_id, seq_len, SamplingParams(temperature=1.0), [0] * seq_len)
+        )
         block_ids = list(range(i * blocks_per_req, (i + 1) * blocks_per_req))
         scheduled.append(ScheduledRequest(request_id, [0] * seq_len, 0, block_ids, True))
     return SchedulerOutput(new, scheduled, set())

@@ -1,4 +1,4 @@
-"""MultiprocExecutor: one spawned worker process per tensor-parallel rank, driven over pipes.
+"""MultiprocExecutor: one worker process per tensor-parallel rank, driven over pipes.
 
     engine process (scheduler; no model)        worker process of rank r (r = 0 .. tp_size-1)
     ------------------------------------        ----------------------------------------------
@@ -12,15 +12,24 @@ is detected like any other.
 
 Failures: an "error" reply, a worker that exits, or no reply within `distributed_timeout_s`
 (a rank stuck in a collective) kill every worker at once and raise EngineDeadError; later
-calls raise it again. Workers end on "shutdown", when the engine's pipe closes, or (checked
-every second) when the engine's process is gone, so none outlives it, even a SIGKILLed one.
+calls raise it again. Workers end on "shutdown", or as soon as the engine's process is gone
+(a watchdog thread waits for EOF on a pipe whose only writer the engine holds), so none
+outlives it, even a SIGKILLed one.
+
+Start method: GPU ranks are spawned (a fresh interpreter each, as CUDA requires). CPU ranks
+fork from multiprocessing's forkserver, itself a fresh interpreter that has only imported
+torch, transformers and the worker code: a rank starts in milliseconds instead of the seconds
+those imports take (tests start many engines). The forkserver stays, idle, until the engine's
+process exits.
 """
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -29,6 +38,8 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 from typing import Any
+
+import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import get_open_port
@@ -39,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 1800.0  # loading and (GPU) profiling a large checkpoint from a slow disk
 _SHUTDOWN_TIMEOUT_S = 5.0
-_PARENT_POLL_S = 1.0
 
 
 class RemoteTraceback(Exception):
@@ -57,33 +67,37 @@ class _WorkerProcess:
 
 
 class MultiprocExecutor:
-    """Ranks as local processes (spawn); see the module docstring for the message path."""
+    """Ranks as local processes; see the module docstring for the message path."""
 
     def __init__(self, config: EngineConfig) -> None:
         parallel_config = config.parallel_config
         self.timeout_s = parallel_config.distributed_timeout_s
         self.dead_reason: str | None = None
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
-        context = multiprocessing.get_context("spawn")
+        context = _start_context(config)
+        # Never written: its reader sees EOF when the engine's process ends.
+        engine_alive_reader, self._engine_alive = context.Pipe(duplex=False)
         self.workers: list[_WorkerProcess] = []
+        self._finalizer = weakref.finalize(self, stop_workers, self.workers, self._engine_alive)
         for rank in range(parallel_config.tensor_parallel_size):
             conn, child_conn = context.Pipe()
             process = context.Process(
                 target=run_worker,
-                args=(config, rank, init_method, child_conn, os.getpid()),
+                args=(config, rank, init_method, child_conn, engine_alive_reader),
                 name=f"PagedServeWorker-TP{rank}",
                 daemon=True,  # also terminated by multiprocessing at interpreter exit
             )
             process.start()
             child_conn.close()
             self.workers.append(_WorkerProcess(rank, process, conn))
-        self._finalizer = weakref.finalize(self, stop_workers, self.workers)
+        engine_alive_reader.close()
         try:
             self._block_bytes: int = self._collect("start", STARTUP_TIMEOUT_S)[0]
         except EngineDeadError as e:  # a worker failed to start: raise its own error if any
             raise e.__cause__ or e  # noqa: B904 (the cause carries the worker's traceback)
-        logger.info("started %d tensor-parallel workers (pids %s)", len(self.workers),
-                    self.worker_pids)
+        logger.info(
+            "started %d tensor-parallel workers (pids %s)", len(self.workers), self.worker_pids
+        )
 
     @property
     def worker_pids(self) -> list[int]:
@@ -94,7 +108,9 @@ class MultiprocExecutor:
         return self._block_bytes
 
     def determine_num_blocks(self) -> int:
-        return min(self._call("determine_num_blocks", timeout_s=STARTUP_TIMEOUT_S))
+        """The fewest blocks any rank can hold (ranks may differ in free memory)."""
+        num_blocks: list[int] = self._call("determine_num_blocks", timeout_s=STARTUP_TIMEOUT_S)
+        return min(num_blocks)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._call("initialize_cache", num_blocks, timeout_s=STARTUP_TIMEOUT_S)
@@ -146,8 +162,10 @@ class MultiprocExecutor:
                 except (EOFError, OSError):
                     raise self._fail(self._death_note(worker)) from None
                 if status == "error":
-                    raise self._fail(f"tensor-parallel worker rank {worker.rank} failed in "
-                                     f"{what}", _remote_error(*payload))
+                    raise self._fail(
+                        f"tensor-parallel worker rank {worker.rank} failed in {what}",
+                        _remote_error(*payload),
+                    )
                 replies[worker.rank] = payload
         return [replies[rank] for rank in range(len(self.workers))]
 
@@ -156,7 +174,7 @@ class MultiprocExecutor:
         return the error to raise."""
         self.dead_reason = f"{reason}; the engine cannot continue: restart it"
         logger.error("%s", self.dead_reason)
-        stop_workers(self.workers, graceful=False)
+        stop_workers(self.workers, self._engine_alive, graceful=False)
         error = EngineDeadError(self.dead_reason)
         error.__cause__ = cause
         return error
@@ -166,23 +184,38 @@ class MultiprocExecutor:
         worker.process.join(0.5)
         code = worker.process.exitcode
         how = (
-            "still running" if code is None
-            else f"killed by {signal.Signals(-code).name}" if code < 0
+            "still running"
+            if code is None
+            else f"killed by {signal.Signals(-code).name}"
+            if code < 0
             else f"exit code {code}"
         )
         return f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) died ({how})"
 
 
-def stop_workers(workers: list[_WorkerProcess], graceful: bool = True) -> None:
+def _start_context(config: EngineConfig) -> Any:
+    """spawn for GPU ranks; for CPU ranks, the forkserver with the heavy imports preloaded."""
+    device = config.device_config.device
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    hf_config_module = type(config.model_config.hf_config).__module__  # unpickling needs it
+    context.set_forkserver_preload(
+        ["torch", "transformers", hf_config_module, "pagedserve.worker.worker"]
+    )
+    return context
+
+
+def stop_workers(
+    workers: list[_WorkerProcess], engine_alive: connection.Connection, graceful: bool = True
+) -> None:
     """Graceful: send "shutdown" and wait up to 5 s. Then SIGKILL whatever still runs (a
     SIGTERM would stay pending on a stopped process) and reap it."""
     if graceful:
         for worker in workers:
             if worker.process.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     worker.conn.send(("shutdown", ()))
-                except OSError:
-                    pass
         deadline = time.monotonic() + _SHUTDOWN_TIMEOUT_S
         for worker in workers:
             worker.process.join(max(deadline - time.monotonic(), 0))
@@ -192,6 +225,7 @@ def stop_workers(workers: list[_WorkerProcess], graceful: bool = True) -> None:
     for worker in workers:
         worker.process.join(_SHUTDOWN_TIMEOUT_S)
         worker.conn.close()
+    engine_alive.close()
 
 
 def _remote_error(pickled_error: bytes | None, text: str) -> BaseException:
@@ -211,7 +245,7 @@ def run_worker(
     rank: int,
     distributed_init_method: str,
     conn: connection.Connection,
-    parent_pid: int,
+    engine_alive: connection.Connection,
 ) -> None:
     """Main of a worker process: start the rank, then serve calls until told to stop."""
     from pagedserve.worker.worker import Worker
@@ -221,7 +255,7 @@ def run_worker(
         format=f"%(levelname)s (Worker TP{rank}) %(name)s: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_exit_with_engine, args=(engine_alive,), daemon=True).start()
     try:
         worker = Worker(config, rank, rank, distributed_init_method)
         conn.send(("ok", worker.block_bytes))
@@ -237,6 +271,10 @@ def run_worker(
     except BaseException as e:
         _send_error(conn, e)
         os._exit(1)  # no interpreter teardown: a collective library may block in it
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the group is left and nothing is buffered: skip torch's slow teardown
 
 
 def _send_error(conn: connection.Connection, error: BaseException) -> None:
@@ -244,15 +282,14 @@ def _send_error(conn: connection.Connection, error: BaseException) -> None:
         pickled: bytes | None = pickle.dumps(error)
     except Exception:
         pickled = None
-    try:
+    with contextlib.suppress(OSError):
         conn.send(("error", (pickled, traceback.format_exc())))
-    except OSError:
-        pass
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """End this worker once the engine's process is gone (its children are re-parented)."""
-    while True:
-        time.sleep(_PARENT_POLL_S)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+def _exit_with_engine(engine_alive: connection.Connection) -> None:
+    """End this worker as soon as the engine's process is gone: the pipe is never written,
+    so it turns readable only at EOF, when its one writer (in the engine) is closed."""
+    try:
+        engine_alive.poll(None)
+    finally:
+        os._exit(1)

@@ -126,7 +126,9 @@ class RayExecutor:
         return pids
 
     def determine_num_blocks(self) -> int:
-        return min(self._call("determine_num_blocks", timeout_s=STARTUP_TIMEOUT_S))
+        """The fewest blocks any rank can hold (ranks may differ in free memory)."""
+        num_blocks: list[int] = self._call("determine_num_blocks", timeout_s=STARTUP_TIMEOUT_S)
+        return min(num_blocks)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._call("initialize_cache", num_blocks, timeout_s=STARTUP_TIMEOUT_S)

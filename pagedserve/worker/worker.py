@@ -59,7 +59,7 @@ class Worker:
             rank,
             tp_size,
             distributed_init_method,
-            backend="nccl" if device.type == "cuda" else "gloo",
+            device,
             timeout_s=config.parallel_config.distributed_timeout_s,
         )
         self.runner = ModelRunner(config, device)

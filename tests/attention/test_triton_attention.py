@@ -176,6 +176,8 @@ def _grid_cases() -> list[tuple[int, int, int, int, torch.dtype]]:
         cases.append((block_size, head_dim, num_heads, num_kv_heads, dtypes[i % 3]))
         if i % 4 == 0:  # a second dtype for a fifth of the cases
             cases.append((block_size, head_dim, num_heads, num_kv_heads, dtypes[(i + 1) % 3]))
+    # Tiny test models' heads (stories260k: 8, tinystories-656k: 16), padded to a dot's 16.
+    cases += [(16, 8, 8, 4, torch.float32), (32, 16, 8, 4, torch.float16)]
     return cases
 
 
@@ -357,6 +359,7 @@ def _metadata_with(query_lens: list[int], seq_lens: list[int]) -> AttentionMetad
 def test_split_heuristic_fills_the_gpu_only_when_needed() -> None:
     assert choose_num_splits(num_programs=8, max_seq_len=8192, num_sms=132) == 32
     assert choose_num_splits(num_programs=8, max_seq_len=1024, num_sms=132) == 4
+    assert choose_num_splits(num_programs=128, max_seq_len=8192, num_sms=132) == 4
     assert choose_num_splits(num_programs=512, max_seq_len=8192, num_sms=132) == 1
     assert choose_num_splits(num_programs=1, max_seq_len=100_000, num_sms=132) == 64
     assert choose_num_splits(num_programs=8, max_seq_len=100, num_sms=132) == 1

@@ -43,7 +43,9 @@ def test_gpu_greedy_equals_cpu(name: str) -> None:
     assert generate(model, device="cuda", attention_backend="torch") == cpu
 
 
-def test_cuda_graph_replay_equals_eager_bf16(tmp_path: Path) -> None:
+def test_cuda_graph_replay_equals_eager(tmp_path: Path) -> None:
+    """float32, so that the graph's split-KV plan (planned for max_model_len keys) and eager's
+    (planned for the step's keys) round alike; bf16 differs in the last bits between the two."""
     import torch
     import transformers
 

@@ -18,6 +18,9 @@ A new token at position p sees keys at positions <= p of its own request; the ne
 request are the last query_len positions of its seq_len.
 """
 
+# @triton.jit functions take Triton's own (untyped) tensors and constexprs.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
 import triton
 import triton.language as tl
 
@@ -147,17 +150,20 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Grid (q blocks, num_kv_heads, num_splits). With ONE_Q_BLOCK, axis 0 is the request;
-    else it is a global q block index (num_tokens // BLOCK_Q + num_reqs of them), mapped to its
-    request by binary search. Axis 2 splits each request's key tiles into contiguous ranges
-    (flash-decoding); it is 1 unless SPLIT_KV. Requests outside [query_len_lo, query_len_hi]
-    (another launch's, or query_len 0 padding) and q blocks past a request's end exit at once.
+    else it is a global q block index (num_tokens // BLOCK_Q + num_reqs of them, taken in
+    reverse), mapped to its request by binary search. Axis 2 splits each request's key tiles
+    into contiguous ranges (flash-decoding); it is 1 unless SPLIT_KV. Requests outside
+    [query_len_lo, query_len_hi] (another launch's, or query_len 0 padding) and q blocks past
+    a request's end exit at once.
     """
     if ONE_Q_BLOCK:
         req = tl.program_id(0)
         q_block = 0
     else:
-        req = _find_request(query_start_loc_ptr, num_reqs, tl.program_id(0), BLOCK_Q)
-        q_block = tl.program_id(0) - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)
+        # Highest q blocks (the most keys) first, so that short ones fill the tail.
+        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
+        req = _find_request(query_start_loc_ptr, num_reqs, q_block_id, BLOCK_Q)
+        q_block = q_block_id - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)

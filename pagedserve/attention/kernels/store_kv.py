@@ -1,5 +1,8 @@
 """Triton kernel that writes new tokens' K and V into the paged KV cache at their slots."""
 
+# @triton.jit functions take Triton's own (untyped) tensors and constexprs.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
 import triton
 import triton.language as tl
 

@@ -220,7 +220,7 @@ def run_server(args: argparse.Namespace) -> None:
     from .cli_args import resolve_server_args
 
     args = resolve_server_args(args)
-    prometheus_client.disable_created_metrics()  # no `_created` series, as in vLLM
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # as vLLM
     if args.skip_tokenizer_init:
         raise SystemExit("the server needs a tokenizer; drop --skip-tokenizer-init")
     chat_template = _read_chat_template(args.chat_template)

@@ -4,7 +4,7 @@ parameters, logprob formats, SSE framing and disconnect handling."""
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -30,8 +30,8 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 class Engine(Protocol):
     """What the server needs of an engine (AsyncLLMEngine, or a fake one in tests)."""
 
-    max_model_len: int
-
+    @property
+    def max_model_len(self) -> int: ...
     def get_tokenizer(self) -> Any: ...
     def start(self) -> None: ...
     def add_request(
@@ -90,22 +90,14 @@ def check_model(model: str | None, served_model_names: list[str]) -> None:
         )
 
 
-def check_supported(request: SamplingFields) -> None:
-    """Refuse, rather than silently ignore, fields that the engine does not implement yet."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(request, name)
-        if value:
-            raise OpenAIError(
-                400, f"{name} is not supported yet (got {value}); leave it at 0", name
-            )
-    if request.repetition_penalty not in (None, 1.0):
-        raise OpenAIError(
-            400, "repetition_penalty is not supported yet; leave it at 1", "repetition_penalty"
-        )
-    if request.logit_bias:
-        raise OpenAIError(400, "logit_bias is not supported yet", "logit_bias")
-    if request.prompt_logprobs is not None:
-        raise OpenAIError(400, "prompt_logprobs is not supported yet", "prompt_logprobs")
+def _logit_bias(request: SamplingFields) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if request.logit_bias is None:
+        return None
+    try:
+        return {int(token_id): bias for token_id, bias in request.logit_bias.items()}
+    except ValueError:
+        raise OpenAIError(400, "logit_bias keys must be token ids", "logit_bias") from None
 
 
 def sampling_params(
@@ -113,11 +105,22 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     best_of: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams of a request (raises InvalidRequestError naming the bad field)."""
     return SamplingParams(
         n=request.n,
         best_of=best_of,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0
+        if request.repetition_penalty is None
+        else request.repetition_penalty,
+        logit_bias=_logit_bias(request),
+        bad_words=request.bad_words,
+        allowed_token_ids=request.allowed_token_ids,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
+        prompt_logprobs=prompt_logprobs,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=0 if request.top_k is None else request.top_k,
@@ -256,13 +259,14 @@ def _by_rank(position: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
 
 def completion_logprobs(
     token_ids: list[int],
-    logprobs: list[dict[int, Logprob]] | None,
+    logprobs: Sequence[dict[int, Logprob] | None] | None,
     num_top: int,
     token_text: Any,
     text_offset: int,
 ) -> tuple[CompletionLogProbs, int]:
-    """OpenAI completions logprobs of some tokens (`logprobs` None: prompt tokens, which have
-    no logprobs here). Returns them and the text offset after the last token."""
+    """OpenAI completions logprobs of some tokens; a position without logprobs (the first
+    prompt token, or all of them when `logprobs` is None) gets None. Returns them and the text
+    offset after the last token."""
     result = CompletionLogProbs()
     for i, token_id in enumerate(token_ids):
         position = logprobs[i] if logprobs is not None else None

@@ -31,7 +31,6 @@ from .serving import (
     add_requests,
     chat_logprobs,
     check_model,
-    check_supported,
     guarded_stream,
     merge_streams,
     sampling_params,
@@ -102,7 +101,6 @@ class OpenAIServingChat:
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Any:
         check_model(request.model, self.served_model_names)
-        check_supported(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         text, token_ids = render_chat(

@@ -28,7 +28,6 @@ from .serving import (
     OpenAIError,
     add_requests,
     check_model,
-    check_supported,
     completion_logprobs,
     guarded_stream,
     merge_streams,
@@ -62,13 +61,17 @@ class OpenAIServingCompletion:
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Any:
         check_model(request.model, self.served_model_names)
-        check_supported(request)
         if request.suffix is not None:
             raise OpenAIError(400, "suffix is not supported", "suffix")
         if request.stream and request.best_of is not None and request.best_of != request.n:
             raise OpenAIError(400, "best_of other than n cannot be streamed", "best_of")
         prompts = self._prompts(request)
-        params = sampling_params(request, request.max_tokens, request.logprobs, request.best_of)
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = request.logprobs  # echoed prompt tokens get their logprobs too
+        params = sampling_params(
+            request, request.max_tokens, request.logprobs, request.best_of, prompt_logprobs
+        )
         request_id = random_id("cmpl")
         streams = add_requests(self.engine, request_id, prompts, params)
         created = int(time.time())
@@ -132,8 +135,9 @@ class OpenAIServingCompletion:
             state.echoed = True
         logprobs = None
         if request.logprobs is not None:
+            prompt_logprobs = output.prompt_logprobs if echo_ids else None
             logprobs, state.text_offset = completion_logprobs(
-                echo_ids, None, request.logprobs, self._token_text, state.text_offset
+                echo_ids, prompt_logprobs, request.logprobs, self._token_text, state.text_offset
             )
             generated, state.text_offset = completion_logprobs(
                 completion.token_ids,

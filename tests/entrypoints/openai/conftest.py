@@ -140,6 +140,12 @@ class Server:
         tokens: list[int] = response.json()["tokens"]
         return tokens
 
+    def detokenize(self, tokens: list[int]) -> str:
+        response = self.post("/detokenize", {"tokens": tokens})
+        assert response.status_code == 200, response.text
+        text: str = response.json()["prompt"]
+        return text
+
     def metrics(self) -> dict[str, float]:
         """/metrics as {"name{labels}": value}, without the model_name label."""
         response = httpx.get(f"{self.url}/metrics", timeout=30.0)

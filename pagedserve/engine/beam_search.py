@@ -1,0 +1,142 @@
+"""Beam search on top of one-token generation steps (vLLM's `LLM.beam_search`)."""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pagedserve.outputs import Logprob
+from pagedserve.sampling_params import BeamSearchParams
+
+# Given the token ids of each running beam (prompt included), return for each the logprobs of
+# its next token: a dict token id -> Logprob holding at least the 2 * beam_width most likely.
+BeamStepFn = Callable[[list[list[int]]], list[dict[int, Logprob]]]
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One beam (vLLM's `BeamSearchSequence`): `tokens` include the prompt, `logprobs` hold
+    one dict per generated token (the candidates of that step), `text` decodes `tokens`."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (ended in EOS) or "length"
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The `beam_width` best sequences of one prompt, best first (vLLM's `BeamSearchOutput`)."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass(slots=True)
+class _BeamSearchInstance:
+    """The running beams and the best finished ones of one prompt."""
+
+    num_prompt_tokens: int
+    max_tokens: int  # params.max_tokens, capped so that no beam outgrows max_model_len
+    beams: list[BeamSearchSequence]
+    finished: list[tuple[float, BeamSearchSequence]] = field(default_factory=list)
+    done: bool = False
+
+
+def beam_search(
+    step: BeamStepFn,
+    prompts: Sequence[list[int]],
+    params: BeamSearchParams,
+    eos_token_ids: Sequence[int],
+    max_model_len: int,
+) -> list[BeamSearchOutput]:
+    """Run beam search for each prompt, all prompts' beams batched into each step.
+
+    Each step scores every running beam's 2 * beam_width most likely next tokens by cumulative
+    logprob, as transformers' beam search does (source: transformers/generation/utils.py,
+    `_beam_search`):
+    - the best `beam_width` candidates that do not end in EOS keep running;
+    - a candidate ending in EOS among the best `beam_width` finishes, scored
+      cumulative logprob / (generated tokens, EOS included) ** length_penalty;
+    - at `max_tokens`, the best `beam_width` candidates finish, EOS or not;
+    - the best `beam_width` finished sequences are returned.
+    Search stops once no running beam can beat the worst of `beam_width` finished ones
+    (transformers' `early_stopping="never"`, whose result equals running to max_tokens; vLLM
+    always runs to max_tokens). vLLM differs in its score's length, prompt + generated
+    tokens without EOS (transformers before 4.38), and in finishing every EOS candidate.
+    """
+    eos = frozenset(() if params.ignore_eos else eos_token_ids)
+    instances = [
+        _BeamSearchInstance(
+            len(prompt),
+            min(params.max_tokens, max_model_len - len(prompt)),
+            [BeamSearchSequence(list(prompt), [])],
+        )
+        for prompt in prompts
+    ]
+    while running := [instance for instance in instances if not instance.done]:
+        beams = [beam for instance in running for beam in instance.beams]
+        next_logprobs = step([beam.tokens for beam in beams])
+        start = 0
+        for instance in running:
+            end = start + len(instance.beams)
+            _advance(instance, next_logprobs[start:end], params, eos)
+            start = end
+    return [_output(instance, eos) for instance in instances]
+
+
+def _advance(
+    instance: _BeamSearchInstance,
+    next_logprobs: list[dict[int, Logprob]],
+    params: BeamSearchParams,
+    eos: frozenset[int],
+) -> None:
+    width = params.beam_width
+    candidates = [
+        (beam.cum_logprob + logprob.logprob, beam, token_id, entry)
+        for beam, entry in zip(instance.beams, next_logprobs, strict=True)
+        for token_id, logprob in entry.items()
+        if logprob.rank is not None and logprob.rank <= 2 * width
+    ]
+    candidates.sort(key=lambda candidate: -candidate[0])
+    num_generated = len(instance.beams[0].tokens) - instance.num_prompt_tokens + 1
+    last_step = num_generated >= instance.max_tokens
+    instance.beams = []
+    for rank, (cum_logprob, beam, token_id, entry) in enumerate(candidates):
+        ends = token_id in eos
+        if not ends and not last_step and len(instance.beams) < width:
+            instance.beams.append(_extend(beam, token_id, entry, cum_logprob))
+        elif rank < width and (ends or last_step):
+            score = cum_logprob / num_generated**params.length_penalty
+            instance.finished.append((score, _extend(beam, token_id, entry, cum_logprob)))
+        if rank >= width and len(instance.beams) == width:
+            break
+    instance.finished.sort(key=lambda finished: -finished[0])
+    del instance.finished[width:]
+    instance.done = not instance.beams or _cannot_improve(instance, params, num_generated)
+
+
+def _cannot_improve(
+    instance: _BeamSearchInstance, params: BeamSearchParams, num_generated: int
+) -> bool:
+    """No running beam can beat the worst of `beam_width` finished sequences: cumulative
+    logprobs only fall, so the best bound is at the longest length when the length penalty
+    is positive, else at the current one (transformers' `early_stopping="never"`)."""
+    if len(instance.finished) < params.beam_width:
+        return False
+    length = instance.max_tokens if params.length_penalty > 0 else num_generated
+    best_possible = instance.beams[0].cum_logprob / length**params.length_penalty
+    return best_possible <= instance.finished[-1][0]
+
+
+def _extend(
+    beam: BeamSearchSequence, token_id: int, entry: dict[int, Logprob], cum_logprob: float
+) -> BeamSearchSequence:
+    return BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [entry], cum_logprob)
+
+
+def _output(instance: _BeamSearchInstance, eos: frozenset[int]) -> BeamSearchOutput:
+    sequences = [sequence for _, sequence in instance.finished]
+    for sequence in sequences:
+        ends_in_eos = sequence.tokens[-1] in eos and len(sequence.logprobs) > 0
+        sequence.finish_reason = "stop" if ends_in_eos else "length"
+    return BeamSearchOutput(sequences)

@@ -1,0 +1,1 @@
+"""Tensor-parallel tests: sharded loading, TP=N vs TP=1 equality, faults, Ray."""

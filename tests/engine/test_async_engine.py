@@ -1,0 +1,115 @@
+"""AsyncLLMEngine on its own (engine core in a child process), and the IPC message codec."""
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+
+from pagedserve import LLM, RequestOutputKind, SamplingParams
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.core_proc import (
+    decode_output,
+    decode_sampling_params,
+    encode_output,
+    encode_sampling_params,
+    pack,
+    unpack,
+)
+from pagedserve.errors import InvalidRequestError
+from pagedserve.scheduler import EngineCoreOutput
+from pagedserve.step import SampleLogprobsData
+
+PROMPTS = ["Once upon a time", "Lily and Ben", "The cat"]
+ENGINE_ARGS = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=8 * 2**20)
+
+
+def test_sampling_params_survive_the_wire() -> None:
+    params = SamplingParams(
+        n=2, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["a", "bc"], stop_token_ids=[7],
+        max_tokens=9, logprobs=2, output_kind=RequestOutputKind.DELTA, eos_token_ids=(1, 2),
+    )  # fmt: skip
+    assert decode_sampling_params(unpack(pack([encode_sampling_params(params)]))[0]) == params
+
+
+def test_core_outputs_survive_the_wire() -> None:
+    logprobs = SampleLogprobsData([5, 1, 2], [-0.1, -0.05, -3.0], 2)
+    for output in (
+        EngineCoreOutput("r", [5], logprobs, "stop", 7, 16),
+        EngineCoreOutput("0_r", [9], None, None, None, 0),
+        EngineCoreOutput("r2", [3], None, "stop", "the end", 0),
+    ):
+        assert decode_output(unpack(pack(encode_output(output)))) == output
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, str]:
+    llm = LLM(**ENGINE_ARGS)
+    params = SamplingParams(temperature=0.0, max_tokens=12, n=2)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return {o.prompt: o.outputs[0].text for o in outputs if o.prompt is not None}
+
+
+def test_generate_abort_and_errors(expected: dict[str, str]) -> None:
+    async def run(engine: AsyncLLMEngine) -> None:
+        async def delta_text(prompt: str, request_id: str) -> list[str]:
+            params = SamplingParams(
+                temperature=0.0, max_tokens=12, n=2, output_kind=RequestOutputKind.DELTA
+            )
+            texts = ["", ""]
+            async for output in engine.generate(prompt, params, request_id):
+                for completion in output.outputs:
+                    texts[completion.index] += completion.text
+            return texts
+
+        results = await asyncio.gather(*(delta_text(p, f"r{i}") for i, p in enumerate(PROMPTS)))
+        for prompt, texts in zip(PROMPTS, results, strict=True):
+            assert texts == [expected[prompt]] * 2  # greedy: both sequences agree
+
+        # closing the iterator early aborts the request and frees its blocks
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        generator = engine.generate("Once", long, "long")
+        await generator.__anext__()
+        await generator.aclose()
+        await wait_idle(engine)
+
+        # abort() from elsewhere ends the stream without a final output
+        stream = engine.add_request("other", "Once", long)
+        engine.abort_request("other")
+        assert [output async for output in engine.iterate(stream)] == []
+        await wait_idle(engine)
+
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            await generator_first(engine.generate("x", SamplingParams(max_tokens=1000), "bad"))
+        await engine.check_health()
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(**ENGINE_ARGS), log_stats=False)
+    try:
+        asyncio.run(asyncio.wait_for(run(engine), 120))
+    finally:
+        engine.shutdown()
+    assert not engine.core.is_alive
+
+
+async def generator_first(generator: Any) -> Any:
+    async for output in generator:
+        return output
+
+
+async def wait_idle(engine: AsyncLLMEngine) -> None:
+    metrics = engine.metrics
+    for _ in range(200):
+        if (
+            metrics.num_requests_running._value.get() == 0
+            and metrics.kv_cache_usage._value.get() == 0
+        ):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the engine did not become idle")
+
+
+def test_engine_args_are_plain_data() -> None:
+    """The core process receives EngineArgs as a dict; it must round-trip."""
+    args = EngineArgs(**ENGINE_ARGS)
+    assert EngineArgs(**dataclasses.asdict(args)) == args

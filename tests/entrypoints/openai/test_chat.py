@@ -1,0 +1,125 @@
+"""/v1/chat/completions, /tokenize and /detokenize through the real server."""
+
+from typing import Any
+
+import pytest
+import transformers
+
+MESSAGES = [
+    {"role": "system", "content": "You are a poet. 你是诗人。"},
+    {"role": "user", "content": "Write about the sea 🌊"},
+]
+GREEDY = {"temperature": 0.0}
+FIXED_LENGTH = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(server: Any) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(server.model)
+
+
+def test_chat_prompt_tokenizes_like_transformers(server: Any, hf_tokenizer: Any) -> None:
+    expected = hf_tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    assert expected.count(hf_tokenizer.bos_token_id) == 1  # the template's BOS, once
+    assert server.tokenize(messages=MESSAGES) == expected
+    result = server.client().chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=3, **GREEDY
+    )
+    assert result.usage.prompt_tokens == len(expected)
+
+
+def test_tokenize_and_detokenize(server: Any, hf_tokenizer: Any) -> None:
+    text = "Hello 世界 🎉"
+    ids = server.tokenize(prompt=text)
+    assert ids == hf_tokenizer.encode(text)
+    bare = server.tokenize(prompt=text, add_special_tokens=False)
+    assert bare == hf_tokenizer.encode(text, add_special_tokens=False)
+    response = server.post("/detokenize", {"tokens": bare})
+    assert response.status_code == 200 and response.json() == {"prompt": text}
+    body = server.post("/tokenize", {"prompt": text}).json()
+    assert body["count"] == len(ids) and body["max_model_len"] == 1024
+
+
+def test_streamed_chat_equals_non_streamed(server: Any, sse: Any) -> None:
+    body = {"model": server.model, "messages": MESSAGES, "max_tokens": 20, **FIXED_LENGTH}
+    full = server.post("/v1/chat/completions", {**body, **GREEDY}).json()
+    assert full["object"] == "chat.completion"
+    message = full["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"]
+    events = sse(server.post("/v1/chat/completions", {**body, **GREEDY, "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+    deltas = [chunk["choices"][0] for chunk in chunks]
+    assert deltas[0]["delta"]["role"] == "assistant"  # role first
+    assert all("role" not in d["delta"] or d["delta"]["role"] is None for d in deltas[1:])
+    assert deltas[-1]["finish_reason"] == "length"  # finish reason last
+    assert all(d["finish_reason"] is None for d in deltas[:-1])
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == message["content"]
+    # and the same through the openai client
+    stream = server.client().chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=20, stream=True,
+        extra_body=FIXED_LENGTH, **GREEDY,
+    )  # fmt: skip
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == message["content"]
+
+
+def test_chat_include_usage(server: Any) -> None:
+    chunks = list(
+        server.client().chat.completions.create(
+            model=server.model, messages=MESSAGES, max_tokens=7, stream=True,
+            stream_options={"include_usage": True}, extra_body=FIXED_LENGTH, **GREEDY,
+        )
+    )  # fmt: skip
+    assert [c for c in chunks if c.usage is not None] == [chunks[-1]]
+    assert chunks[-1].choices == []
+    num_prompt_tokens = len(server.tokenize(messages=MESSAGES))
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (num_prompt_tokens, 7)
+
+
+def test_chat_n_and_logprobs(server: Any) -> None:
+    result = server.client().chat.completions.create(
+        model=server.model, messages=MESSAGES, max_completion_tokens=5, n=3, seed=1,
+        logprobs=True, top_logprobs=3, extra_body=FIXED_LENGTH,
+    )  # fmt: skip
+    assert [choice.index for choice in result.choices] == [0, 1, 2]
+    assert result.usage.completion_tokens == 15
+    for choice in result.choices:
+        content = choice.logprobs.content
+        assert len(content) == 5
+        for entry in content:
+            assert entry.logprob <= 0.0 and entry.bytes == list(entry.token.encode())
+            assert len(entry.top_logprobs) == 3
+            top = [t.logprob for t in entry.top_logprobs]
+            assert top == sorted(top, reverse=True) and entry.logprob <= top[0]
+
+
+def test_chat_content_parts_and_max_tokens(server: Any) -> None:
+    parts = [{"type": "text", "text": "Write about"}, {"type": "text", "text": "the sea 🌊"}]
+    as_parts = [MESSAGES[0], {"role": "user", "content": parts}]
+    as_text = [MESSAGES[0], {"role": "user", "content": "Write about\nthe sea 🌊"}]
+    assert server.tokenize(messages=as_parts) == server.tokenize(messages=as_text)
+    result = server.client().chat.completions.create(
+        model=server.model, messages=as_parts, max_tokens=4, extra_body=FIXED_LENGTH, **GREEDY
+    )
+    assert result.usage.completion_tokens == 4
+    assert result.choices[0].finish_reason == "length"
+
+
+def test_continue_final_message(server: Any, hf_tokenizer: Any) -> None:
+    messages = [*MESSAGES, {"role": "assistant", "content": "The sea is"}]
+    expected = hf_tokenizer.apply_chat_template(
+        messages, continue_final_message=True, return_dict=True
+    )["input_ids"]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    assert server.tokenize(**body) == expected
+    response = server.post(
+        "/v1/chat/completions",
+        {"model": server.model, **body, "max_tokens": 3, **GREEDY, **FIXED_LENGTH},
+    )
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == len(
+        expected
+    )

@@ -1,0 +1,103 @@
+"""A server on a SentencePiece tokenizer (BOS added by encode) with --chat-template FILE; then
+its engine core is killed: every pending and new request fails promptly, /health says 503."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import transformers
+
+# The template writes the BOS itself, as Llama's do: encoding its text with the tokenizer's
+# defaults would add a second one.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+MESSAGES = [{"role": "user", "content": "Bonjour 你好 🌍"}]
+LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def doomed(server_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    running = server_factory("sentencepiece-32k", None, ["--chat-template", str(template)])
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def engine_core_pid(server_pid: int) -> int:
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return int(pid)
+    raise AssertionError(f"no engine core among the children {children} of {server_pid}")
+
+
+def test_chat_template_file_and_a_single_bos(doomed: Any) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(doomed.model)
+    assert tokenizer.encode("x")[0] == tokenizer.bos_token_id  # encode adds a BOS here
+    expected = tokenizer.apply_chat_template(
+        MESSAGES, chat_template=TEMPLATE, add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    assert expected.count(tokenizer.bos_token_id) == 1
+    assert doomed.tokenize(messages=MESSAGES) == expected
+    result = doomed.client().chat.completions.create(
+        model=doomed.model, messages=MESSAGES, max_tokens=2, temperature=0.0
+    )
+    assert result.usage.prompt_tokens == len(expected)
+
+
+def test_streamed_equals_non_streamed_with_byte_fallback(doomed: Any) -> None:
+    client = doomed.client()
+    args = dict(
+        model=doomed.model, prompt="Füße 你好 🎉", max_tokens=20, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    full = client.completions.create(**args).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
+    assert streamed == full
+
+
+def test_killed_engine_core_fails_everything_promptly(doomed: Any, sse: Any) -> None:
+    pending: dict[str, Any] = {}
+
+    def wait_whole_response() -> None:
+        pending["response"] = doomed.post("/v1/completions", {"prompt": "Once", **LONG})
+        pending["time"] = time.monotonic()
+
+    waiter = threading.Thread(target=wait_whole_response, daemon=True)
+    waiter.start()
+    body = {"prompt": "Once upon a time", "stream": True, **LONG}
+    with httpx.stream("POST", f"{doomed.url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # generating
+        os.kill(engine_core_pid(doomed.process.pid), signal.SIGKILL)
+        killed = time.monotonic()
+        rest = [line for line in lines if line]  # the stream ends by itself
+        stream_ended = time.monotonic()
+    events = sse("".join(f"{line}\n\n" for line in rest))
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["code"] == 503 and "engine core" in error["message"]
+    assert stream_ended - killed < 5.0
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert pending["response"].status_code == 503, pending["response"].text
+    assert pending["time"] - killed < 5.0
+
+    start = time.monotonic()
+    assert httpx.get(f"{doomed.url}/health", timeout=5).status_code == 503
+    new = doomed.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}, timeout=5)
+    assert new.status_code == 503 and new.json()["error"]["code"] == 503
+    chat = doomed.post("/v1/chat/completions", {"messages": MESSAGES, "stream": True}, timeout=5)
+    assert chat.status_code == 503
+    assert time.monotonic() - start < 3.0

@@ -1,0 +1,117 @@
+"""Every error is OpenAI-shaped, has the right status, and leaves the server healthy."""
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+
+def assert_error(response: httpx.Response, status: int, *words: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and isinstance(error["type"], str)
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    return error  # type: ignore[no-any-return]
+
+
+@pytest.fixture(autouse=True)
+def still_healthy_afterwards(server: Any) -> Any:
+    yield
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/completions", "/tokenize", "/version"])
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "x"}])
+def test_missing_or_wrong_api_key_is_401(server: Any, path: str, headers: dict[str, str]) -> None:
+    if path == "/v1/models" or path == "/version":
+        response = httpx.get(f"{server.url}{path}", headers=headers, timeout=10)
+    else:
+        response = httpx.post(f"{server.url}{path}", json={"prompt": "x"}, headers=headers)
+    assert_error(response, 401, "API key")
+
+
+def test_health_and_metrics_need_no_key(server: Any) -> None:
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 200
+    version = server.get("/version")
+    assert version.status_code == 200 and "version" in version.json()
+
+
+def test_openai_client_with_wrong_key_raises_authentication_error(server: Any) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_invalid_json_is_400(server: Any) -> None:
+    response = httpx.post(
+        f"{server.url}/v1/completions", content=b"{not json", timeout=10,
+        headers={**server.headers, "Content-Type": "application/json"},
+    )  # fmt: skip
+    assert_error(response, 400, "JSON")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": "x", "logprobs": 6}, "logprobs"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"prompt": "x", "logit_bias": {"not-a-token": 1}}, "logit_bias"),
+        ({"prompt": []}, "prompt"),
+    ],
+)
+def test_invalid_fields_are_400(server: Any, body: dict[str, Any], param: str) -> None:
+    error = assert_error(server.post("/v1/completions", body), 400)
+    assert error["param"] is not None and param in error["param"], error
+
+
+def test_chat_errors_are_400(server: Any) -> None:
+    assert_error(server.post("/v1/chat/completions", {"messages": []}), 400)
+    bad_role = {"messages": [{"role": "robot", "content": "x"}]}
+    assert_error(server.post("/v1/chat/completions", bad_role), 400)
+    bad_part = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    assert_error(server.post("/v1/chat/completions", bad_part), 400)
+    top_only = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    assert_error(server.post("/v1/chat/completions", top_only), 400, "logprobs")
+
+
+def test_too_long_is_400_naming_both_numbers(server: Any) -> None:
+    num_prompt_tokens = len(server.tokenize(prompt="Once upon a time"))
+    max_tokens = 1024 - num_prompt_tokens + 1  # one token too many
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens}
+    response = server.post("/v1/completions", body)
+    assert_error(response, 400, f"({num_prompt_tokens} tokens)", f"({max_tokens})", "1024")
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}
+    assert_error(server.post("/v1/chat/completions", chat), 400, "5000", "1024")
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=server.model, prompt="x", max_tokens=2000)
+
+
+def test_unknown_model_is_404(server: Any) -> None:
+    error = assert_error(server.post("/v1/completions", {"prompt": "x", "model": "gpt-5"}), 404)
+    assert error["param"] == "model" and "gpt-5" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(
+            model="gpt-5", messages=[{"role": "user", "content": "x"}]
+        )
+
+
+def test_unknown_route_is_openai_shaped_404(server: Any) -> None:
+    assert_error(server.get("/v1/nothing"), 404)
+
+
+def test_bad_request_inside_a_stream_request_is_a_plain_400(server: Any) -> None:
+    body = {"prompt": "x", "max_tokens": 5000, "stream": True}
+    assert_error(server.post("/v1/completions", body), 400, "5000")
