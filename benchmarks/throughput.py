@@ -73,6 +73,7 @@ def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == sum(n for _, n in requests), "ignore_eos must fix output lengths"
+    llm.llm_engine.shutdown()
     return {"seconds": elapsed, "output_tokens": num_out}
 
 
@@ -100,6 +101,17 @@ def _sync(device) -> None:  # type: ignore[no-untyped-def]
 
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _free_gpu_memory() -> None:
+    """Let the next engine in this process have the GPU memory of the previous one."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run_hf(args: argparse.Namespace, model: str, requests: list, batched: bool) -> dict:
@@ -202,6 +214,7 @@ def main() -> None:
         args.num_prompts, args.input_len, args.output_len, config["vocab_size"], args.seed
     )
     results = {"pagedserve": run_pagedserve(args, model, requests)}
+    _free_gpu_memory()
     if args.hf_sequential:
         results["transformers (sequential)"] = run_hf(args, model, requests, batched=False)
     if args.hf_batch:

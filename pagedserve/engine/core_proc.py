@@ -161,16 +161,18 @@ class _CoreLoop:
             self.context.term()
 
     def _receive_all(self) -> bool:
-        """Handle every waiting message; block (checking the parent) while there is no work."""
+        """Handle every waiting message; block while there is no work. Stop once the parent
+        (API server) process is gone, idle or busy: nobody would read the outputs."""
         handled = False
         while self.running:
+            if os.getppid() != self.parent_pid:  # a cheap syscall, so checked every step
+                logger.info("the API server process is gone; shutting down")
+                self.running = False
+                break
             busy = handled or self.core.has_unfinished_requests()
             if not self.input.poll(0 if busy else _IDLE_POLL_MS):
                 if busy:
                     return handled
-                if os.getppid() != self.parent_pid:
-                    logger.info("the API server process is gone; shutting down")
-                    self.running = False
                 continue
             self._handle(unpack(self.input.recv()))
             handled = True
