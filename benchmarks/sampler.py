@@ -36,11 +36,14 @@ def mixed_params(i: int) -> SamplingParams:
         dict(temperature=1.0, top_p=0.9),
         dict(temperature=0.7, top_k=50),
         dict(temperature=1.0, min_p=0.05, seed=i),
-        dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5,
-             frequency_penalty=0.3),
+        dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3),
         dict(temperature=0.9, top_k=100, top_p=0.95, seed=i, logprobs=5),
-        dict(temperature=1.0, logit_bias={t: 1.5 for t in range(100, 110)}, min_tokens=200,
-             max_tokens=256),
+        dict(
+            temperature=1.0,
+            logit_bias={t: 1.5 for t in range(100, 110)},
+            min_tokens=200,
+            max_tokens=256,
+        ),
     ]
     return SamplingParams(eos_token_ids=(EOS,), **kinds[i % len(kinds)])  # type: ignore[arg-type]
 
@@ -116,8 +119,9 @@ def device_name(device: torch.device) -> str:
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

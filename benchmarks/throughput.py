@@ -88,7 +88,8 @@ def load_hf(args: argparse.Namespace, model: str):  # type: ignore[no-untyped-de
     dtype = dtypes.get(args.dtype, torch.float16 if device.type == "cuda" else torch.float32)
     config = transformers.AutoConfig.from_pretrained(model)
     if args.load_format == "dummy":
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with device:  # random init on the device: an 8B model takes minutes on the CPU
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
     hf = hf.to(device).eval()

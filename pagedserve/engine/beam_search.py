@@ -1,5 +1,6 @@
 """Beam search on top of one-token generation steps (vLLM's `LLM.beam_search`)."""
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -106,7 +107,7 @@ def _advance(
         if not ends and not last_step and len(instance.beams) < width:
             instance.beams.append(_extend(beam, token_id, entry, cum_logprob))
         elif rank < width and (ends or last_step):
-            score = cum_logprob / num_generated**params.length_penalty
+            score = cum_logprob / math.pow(num_generated, params.length_penalty)
             instance.finished.append((score, _extend(beam, token_id, entry, cum_logprob)))
         if rank >= width and len(instance.beams) == width:
             break
@@ -124,7 +125,7 @@ def _cannot_improve(
     if len(instance.finished) < params.beam_width:
         return False
     length = instance.max_tokens if params.length_penalty > 0 else num_generated
-    best_possible = instance.beams[0].cum_logprob / length**params.length_penalty
+    best_possible = instance.beams[0].cum_logprob / math.pow(length, params.length_penalty)
     return best_possible <= instance.finished[-1][0]
 
 

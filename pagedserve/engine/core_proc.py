@@ -152,7 +152,7 @@ class _CoreLoop:
                     self._step()
         except BaseException:
             logger.exception("the engine core loop failed")
-            self.output.send(pack(["error", traceback.format_exc()]))
+            self._send(["error", traceback.format_exc()])
             raise SystemExit(1) from None
         finally:
             self.core.shutdown()
@@ -222,5 +222,21 @@ class _CoreLoop:
                 queue_times.append([request_id, start - arrival])
                 del self.unscheduled[request_id]
         stats = dataclasses.astuple(self.core.stats())
-        message = ["outputs", [encode_output(o) for o in outputs], list(stats), queue_times]
-        self.output.send(pack(message))
+        self._send(["outputs", [encode_output(o) for o in outputs], list(stats), queue_times])
+
+    def _send(self, message: list[Any]) -> None:
+        """Send without ever blocking for good: a PUSH socket whose peer is gone would wait
+        forever, so retry only while the API server process is alive."""
+        import zmq
+
+        data = pack(message)
+        while True:
+            try:
+                self.output.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if os.getppid() != self.parent_pid:
+                    logger.info("the API server process is gone; shutting down")
+                    self.running = False
+                    return
+                time.sleep(0.01)

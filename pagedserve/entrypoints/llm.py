@@ -106,7 +106,7 @@ class LLM:
         bar = tqdm(total=params.max_tokens, desc="Beam search steps", disable=not use_tqdm)
 
         def step(token_ids: list[list[int]]) -> list[dict[int, Logprob]]:
-            prompts = [{"prompt_token_ids": t} for t in token_ids]
+            prompts: list[PromptType] = [{"prompt_token_ids": t} for t in token_ids]
             outputs = self._run(prompts, [step_params] * len(prompts), use_tqdm=False)
             bar.update(1)
             return [output.outputs[0].logprobs[0] for output in outputs]  # type: ignore[index]

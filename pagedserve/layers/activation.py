@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.layers.kernels import use_fused_ops
+
 
 class SiluAndMul(nn.Module):
     """SwiGLU gate (arXiv:2002.05202): silu(gate) * up, for a fused [gate | up] input."""
@@ -12,6 +14,10 @@ class SiluAndMul(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, 2 * intermediate_size] float, [gate | up]
     ) -> torch.Tensor:  # [num_tokens, intermediate_size] float
+        if use_fused_ops(x):
+            from pagedserve.layers.kernels.fused_ops import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from pagedserve.layers.kernels import use_fused_ops
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (arXiv:1910.07467), computed in float32 as in HF Llama.
@@ -33,7 +35,25 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,  # [..., hidden_size] float
         residual: torch.Tensor | None = None,  # [..., hidden_size], dtype of x
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_fused_ops(x):
+            return self._fused_forward(x, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def _fused_forward(
+        self,
+        x: torch.Tensor,  # [..., hidden_size] half, on CUDA
+        residual: torch.Tensor | None,  # [..., hidden_size], dtype of x
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from pagedserve.layers.kernels.fused_ops import rms_norm
+
+        rows = x.reshape(-1, self.hidden_size)
+        if residual is None:
+            return rms_norm(rows, self.weight, self.eps)[0].view(x.shape)
+        out, new_residual = rms_norm(
+            rows, self.weight, self.eps, residual.reshape(-1, self.hidden_size)
+        )
+        assert new_residual is not None
+        return out.view(x.shape), new_residual.view(x.shape)

@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.layers.kernels import use_fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -102,6 +104,10 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads * head_dim] float
         key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] float
     ) -> tuple[torch.Tensor, torch.Tensor]:  # shapes and dtypes of query and key
+        if use_fused_ops(query):
+            from pagedserve.layers.kernels.fused_ops import rotary_embedding
+
+            return rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_dim)
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -123,6 +123,7 @@ class MultiprocExecutor:
 
     def shutdown(self) -> None:
         """Ask every worker to leave its group and exit; kill those that do not. Idempotent."""
+        self.dead_reason = self.dead_reason or "the engine was shut down"
         self._finalizer()
 
     def _call(self, method: str, *args: Any, timeout_s: float) -> list[Any]:

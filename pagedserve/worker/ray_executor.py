@@ -16,6 +16,7 @@ killed. Actors die with the engine's process, as Ray ties non-detached actors to
 """
 
 import logging
+import time
 from typing import Any
 
 from pagedserve.config import EngineConfig
@@ -101,7 +102,7 @@ class RayExecutor:
                 actor.start.remote(config, rank, f"tcp://{host}:{port}")
                 for rank, actor in enumerate(self.actors)
             ]
-            self._block_bytes: int = ray.get(starts, timeout=STARTUP_TIMEOUT_S)[0]
+            self._block_bytes: int = _get_all(ray, starts, STARTUP_TIMEOUT_S)[0]
         except BaseException:
             self.shutdown()
             raise  # a RayTaskError is also an instance of the worker's exception class
@@ -146,7 +147,7 @@ class RayExecutor:
         ray = _import_ray()
         refs = [actor.call.remote(method, *args) for actor in self.actors]
         try:
-            replies: list[Any] = ray.get(refs, timeout=timeout_s)
+            replies = _get_all(ray, refs, timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise self._fail(
                 f"a tensor-parallel Ray worker did not answer {method} within {timeout_s:g} s "
@@ -167,6 +168,7 @@ class RayExecutor:
     def shutdown(self) -> None:
         """Kill the actors and free their placement group; idempotent. Ray needs no graceful
         goodbye: killing an actor ends its process and its process-group membership."""
+        self.dead_reason = self.dead_reason or "the engine was shut down"
         ray = _import_ray()
         if not ray.is_initialized():
             return
@@ -180,6 +182,21 @@ class RayExecutor:
             self.placement_group = None
         if self._owns_ray:
             ray.shutdown()
+
+
+def _get_all(ray: Any, refs: list[Any], timeout_s: float) -> list[Any]:
+    """ray.get(refs), but raising as soon as any one fails: a dead rank must not leave us
+    waiting for the ranks blocked in a collective with it."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        remaining = max(deadline - time.monotonic(), 0.0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        if not ready:
+            raise ray.exceptions.GetTimeoutError(f"no reply within {timeout_s:g} s")
+        ray.get(ready)  # raises the rank's error, or RayActorError if it died
+    replies: list[Any] = ray.get(refs)
+    return replies
 
 
 def _import_ray() -> Any:

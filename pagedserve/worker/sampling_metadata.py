@@ -1,6 +1,7 @@
 """Per-request sampling state on the worker, and the per-step SamplingMetadata built from it."""
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -10,6 +11,7 @@ from pagedserve.step import ScheduledRequest
 from pagedserve.worker.penalties import TokenCountTable
 
 _NEG_INF = float("-inf")
+_T = TypeVar("_T")
 
 # Columns of the per-slot tables (one slot per live request, rows written once at admission).
 _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _PRESENCE, _FREQUENCY = range(6)
@@ -281,7 +283,7 @@ class SamplingStateManager:
         rows = np.flatnonzero(flags[:, _RESTRICTED])
         if rows.size == 0:
             return None
-        token_ids = [records[row].allowed_token_ids for row in rows]
+        token_ids = [_present(records[row].allowed_token_ids) for row in rows]
         local = torch.repeat_interleave(torch.tensor([len(t) for t in token_ids]))
         banned = torch.ones(rows.size, self.vocab_size, dtype=torch.bool)
         banned[local, torch.cat(token_ids)] = False
@@ -299,24 +301,20 @@ class SamplingStateManager:
         values: list[torch.Tensor] = []
 
         def add(row: int, ids: torch.Tensor, value: torch.Tensor | float) -> None:
-            rows.append(torch.full((len(ids),), int(row), dtype=torch.int64))
+            rows.append(torch.full((len(ids),), row, dtype=torch.int64))
             token_ids.append(ids)
             values.append(torch.full((len(ids),), value) if isinstance(value, float) else value)
 
-        for row in np.flatnonzero(flags[:, _BIASED]):
+        for row in np.flatnonzero(flags[:, _BIASED]).tolist():
             record = records[row]
-            assert record.bias_token_ids is not None and record.bias_values is not None
-            add(row, record.bias_token_ids, record.bias_values)
+            add(row, _present(record.bias_token_ids), _present(record.bias_values))
         num_outputs = np.asarray(seq_lens, np.int64) - ints[:, _NUM_PROMPT_TOKENS]
         before_min_tokens = flags[:, _STOPPABLE] & (num_outputs < ints[:, _MIN_TOKENS])
-        for row in np.flatnonzero(before_min_tokens):
-            stop_token_ids = records[row].stop_token_ids
-            assert stop_token_ids is not None
-            add(row, stop_token_ids, _NEG_INF)
-        for row in np.flatnonzero(flags[:, _BAD_WORDS]):
+        for row in np.flatnonzero(before_min_tokens).tolist():
+            add(row, _present(records[row].stop_token_ids), _NEG_INF)
+        for row in np.flatnonzero(flags[:, _BAD_WORDS]).tolist():
             record = records[row]
-            assert record.recent_output_token_ids is not None
-            banned = bad_word_bans(record.bad_words, record.recent_output_token_ids)
+            banned = bad_word_bans(record.bad_words, _present(record.recent_output_token_ids))
             if banned:
                 add(row, torch.tensor(banned, dtype=torch.int64), _NEG_INF)
         if not rows:
@@ -359,6 +357,11 @@ class SamplingStateManager:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+
+def _present(value: _T | None) -> _T:
+    assert value is not None
+    return value
 
 
 def bad_word_bans(bad_words: list[list[int]], output_token_ids: list[int]) -> list[int]:

@@ -167,8 +167,7 @@ def _kill_worker_mid_stream(server: _Server, tree: list[int]) -> None:
         assert response.status_code == 200
         lines = response.iter_lines()
         events.append(next(line for line in lines if line.startswith("data: ")))
-        worker = max(tree)  # spawned after the engine core: a worker (the youngest one)
-        os.kill(worker, signal.SIGKILL)
+        os.kill(_workers_in(tree)[0], signal.SIGKILL)
         killed_at = time.monotonic()
         events += [line for line in lines if line.startswith("data: ")]
     errors = [json.loads(e[6:]) for e in events if e != "data: [DONE]" and "error" in e[6:]]
@@ -176,6 +175,19 @@ def _kill_worker_mid_stream(server: _Server, tree: list[int]) -> None:
     while (status := httpx.get(f"{server.url}/health", timeout=5).status_code) != 503:
         assert time.monotonic() - killed_at < FAIL_WITHIN_S, status
         time.sleep(0.1)
+
+
+def _workers_in(tree: list[int]) -> list[int]:
+    """The worker processes among `tree`: on CPU, the engine core's forkserver forks them, and
+    fork keeps the forkserver's command line; the forkserver is their parent."""
+    forked = []
+    for pid in tree:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"multiprocessing.forkserver" in f.read():
+                forked.append(pid)
+    workers = [pid for pid in forked if not descendants(pid)]  # the forkserver has children
+    assert len(workers) == 2, (forked, workers)
+    return workers
 
 
 def _read_line(process: subprocess.Popen[str], timeout_s: float) -> str:

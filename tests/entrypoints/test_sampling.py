@@ -25,8 +25,15 @@ def llm() -> LLM:
 def tight_llm() -> LLM:
     """Prefills chunked to 8 tokens a step, and a KV cache too small for four requests at once:
     running requests get preempted and resumed (with prefix-cache hits on their own blocks)."""
-    return LLM(dtype="float32", device="cpu", max_model_len=128, block_size=8,
-               num_gpu_blocks_override=16, max_num_batched_tokens=8, max_logprobs=6)
+    return LLM(
+        dtype="float32",
+        device="cpu",
+        max_model_len=128,
+        block_size=8,
+        num_gpu_blocks_override=16,
+        max_num_batched_tokens=8,
+        max_logprobs=6,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +51,18 @@ def penalized(row: torch.Tensor, params: SamplingParams, seen: list[int], output
     row = row.clone()
     for token_id in set(seen) | set(outputs):
         value = row[token_id]
-        row[token_id] = value / params.repetition_penalty if value > 0 else (
-            value * params.repetition_penalty)
+        row[token_id] = (
+            value / params.repetition_penalty if value > 0 else (value * params.repetition_penalty)
+        )
     for token_id, count in Counter(outputs).items():
         row[token_id] -= params.frequency_penalty * count + params.presence_penalty
     return row
 
 
 def check_logprobs(
-    model: transformers.PreTrainedModel, prompt: list[int], params: SamplingParams,
+    model: transformers.PreTrainedModel,
+    prompt: list[int],
+    params: SamplingParams,
     out: CompletionOutput,
 ) -> None:
     """Every generated position: the engine's logprobs are log-softmax of transformers' logits
@@ -78,10 +88,12 @@ def check_logprobs(
 
 PENALTY_PARAMS = [
     SamplingParams(temperature=0, max_tokens=24, logprobs=5, repetition_penalty=1.8),
-    SamplingParams(temperature=0, max_tokens=24, logprobs=5, presence_penalty=1.5,
-                   frequency_penalty=0.8),
-    SamplingParams(temperature=0, max_tokens=24, logprobs=5, repetition_penalty=0.7,
-                   frequency_penalty=0.5),
+    SamplingParams(
+        temperature=0, max_tokens=24, logprobs=5, presence_penalty=1.5, frequency_penalty=0.8
+    ),
+    SamplingParams(
+        temperature=0, max_tokens=24, logprobs=5, repetition_penalty=0.7, frequency_penalty=0.5
+    ),
     SamplingParams(temperature=0, max_tokens=24, logprobs=5),
 ]
 
@@ -109,12 +121,15 @@ def test_penalties_match_reference_through_chunking_caching_and_preemption(
 def test_logprobs_of_a_sampled_request_follow_the_processed_logits(
     llm: LLM, hf_model: transformers.PreTrainedModel
 ) -> None:
-    params = SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.2, seed=3,
-                            max_tokens=16, logprobs=4)
+    params = SamplingParams(
+        temperature=0.8, top_k=20, repetition_penalty=1.2, seed=3, max_tokens=16, logprobs=4
+    )
     out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
     check_logprobs(hf_model, llm.get_tokenizer().encode(PROMPT), params, out)
     assert out.cumulative_logprob == pytest.approx(
-        sum(entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs or [])), abs=1e-4)
+        sum(entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs or [], strict=True)),
+        abs=1e-4,
+    )
 
 
 def mixed_params(seeded: SamplingParams) -> list[SamplingParams]:
@@ -141,8 +156,9 @@ def mixed_params(seeded: SamplingParams) -> list[SamplingParams]:
 def test_seeded_request_is_the_same_alone_in_a_mixed_batch_and_in_another_order(
     llm: LLM,
 ) -> None:
-    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=30,
-                            repetition_penalty=1.1)
+    seeded = SamplingParams(
+        temperature=1.0, top_p=0.95, seed=1234, max_tokens=30, repetition_penalty=1.1
+    )
     prompt = "Once upon a time"
     alone = llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids
     params = mixed_params(seeded)
@@ -152,8 +168,9 @@ def test_seeded_request_is_the_same_alone_in_a_mixed_batch_and_in_another_order(
     assert batch[6].outputs[0].token_ids == alone
     reversed_batch = llm.generate(prompts[::-1], params[::-1], use_tqdm=False)
     assert reversed_batch[9].outputs[0].token_ids == alone
-    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=1235, max_tokens=30,
-                                repetition_penalty=1.1)
+    other_seed = SamplingParams(
+        temperature=1.0, top_p=0.95, seed=1235, max_tokens=30, repetition_penalty=1.1
+    )
     assert llm.generate(prompt, other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
@@ -201,8 +218,9 @@ def test_prompt_logprobs_match_transformers_also_after_a_prefix_cache_hit(
 
 def test_prompt_logprobs_come_once_with_delta_outputs(llm: LLM) -> None:
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=1,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0, max_tokens=5, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA
+    )
     engine.add_request("delta-plp", "Once upon a time", params)
     outputs = drain(engine)
     assert outputs[0].prompt_logprobs is not None and len(outputs[0].prompt_logprobs) == 5
@@ -222,7 +240,7 @@ def test_output_kinds(llm: LLM) -> None:
     for kind in RequestOutputKind:
         engine.add_request(kind.name, "Once upon a time", SamplingParams(**base, output_kind=kind))
     outputs = drain(engine)
-    by_kind = {kind: [o for o in outputs if o.request_id == kind.name] for kind in RequestOutputKind}
+    by_kind = {k: [o for o in outputs if o.request_id == k.name] for k in RequestOutputKind}
     final = by_kind[RequestOutputKind.FINAL_ONLY]
     assert len(final) == 1 and final[0].finished
     full = final[0].outputs[0]
@@ -237,19 +255,26 @@ def test_output_kinds(llm: LLM) -> None:
 
 def test_logit_bias_allowed_token_ids_and_bad_words(llm: LLM) -> None:
     prompt = "Once upon a time"
-    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12),
-                        use_tqdm=False)[0].outputs[0]
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert "Lily" in base.text
-    biased = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6,
-                                                 logit_bias={"300": 100}), use_tqdm=False)
+    biased = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=6, logit_bias={"300": 100}), use_tqdm=False
+    )
     assert biased[0].outputs[0].token_ids == [300] * 6
     allowed = [261, 262, 300, 301]
-    out = llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=20, seed=0,
-                                              allowed_token_ids=allowed), use_tqdm=False)
+    out = llm.generate(
+        prompt,
+        SamplingParams(temperature=1.0, max_tokens=20, seed=0, allowed_token_ids=allowed),
+        use_tqdm=False,
+    )
     assert set(out[0].outputs[0].token_ids) <= set(allowed)
-    banned = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
-                                                 bad_words=["Lily", "little girl"]),
-                          use_tqdm=False)[0].outputs[0]
+    banned = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=12, bad_words=["Lily", "little girl"]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert "Lily" not in banned.text and "little girl" not in banned.text
     assert banned.text[:10] == base.text[:10]
 
@@ -259,8 +284,11 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=5, truncate_prompt_tokens=4)
     out = llm.generate({"prompt_token_ids": tokens}, params, use_tqdm=False)[0]
     assert out.prompt_token_ids == tokens[-4:]
-    same = llm.generate({"prompt_token_ids": tokens[-4:]},
-                        SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    same = llm.generate(
+        {"prompt_token_ids": tokens[-4:]},
+        SamplingParams(temperature=0, max_tokens=5),
+        use_tqdm=False,
+    )[0]
     assert out.outputs[0].token_ids == same.outputs[0].token_ids
 
 
@@ -305,3 +333,26 @@ def test_invalid_new_sampling_params(kwargs: dict, field: str) -> None:
 def test_logit_bias_is_clamped_and_keys_become_ints() -> None:
     params = SamplingParams(logit_bias={"5": 250, 7: -300.0, 9: 1.5})
     assert params.logit_bias == {5: 100.0, 7: -100.0, 9: 1.5}
+
+
+@pytest.mark.gpu
+def test_on_cuda_penalties_seeds_and_prompt_logprobs(
+    hf_model: transformers.PreTrainedModel,
+) -> None:
+    llm = LLM(dtype="float32", device="cuda", max_model_len=256)
+    prompt = llm.get_tokenizer().encode(PROMPT)
+    outs = llm.generate([PROMPT] * 4, PENALTY_PARAMS, use_tqdm=False)
+    for params, output in zip(PENALTY_PARAMS, outs, strict=True):
+        check_logprobs(hf_model, prompt, params, output.outputs[0])
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=30)
+    alone = llm.generate("Once upon a time", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    params = mixed_params(seeded)
+    prompts = [
+        f"Once upon a time {i}" if p is not seeded else "Once upon a time"
+        for i, p in enumerate(params)
+    ]
+    assert llm.generate(prompts, params, use_tqdm=False)[6].outputs[0].token_ids == alone
+    reversed_batch = llm.generate(prompts[::-1], params[::-1], use_tqdm=False)
+    assert reversed_batch[9].outputs[0].token_ids == alone
+    asking = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3)
+    check_prompt_logprobs(hf_model, llm.generate(PROMPT, asking, use_tqdm=False)[0], 3)

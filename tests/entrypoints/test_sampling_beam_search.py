@@ -9,10 +9,11 @@ import torch
 import transformers
 
 from pagedserve import LLM
+from pagedserve.engine.arg_utils import DEFAULT_MODEL
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import BeamSearchParams
 
-TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260k"
+TOKENIZER = Path(DEFAULT_MODEL)  # stories260k's: ids < 512
 EOS_IDS = [268, 124]  # frequent tokens of this model: beams end early, at different lengths
 PROMPTS = [
     [1, 50, 60, 70],
@@ -24,14 +25,20 @@ PROMPTS = [
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny_beam")
     config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=EOS_IDS,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=EOS_IDS,
     )
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
-        path
-    )
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(TOKENIZER / name, path / name)
     assert json.loads((path / "config.json").read_text())["eos_token_id"] == EOS_IDS
@@ -40,8 +47,14 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(model_path: Path) -> LLM:
-    return LLM(str(model_path), dtype="float32", device="cpu", max_model_len=128, block_size=4,
-               kv_cache_memory_bytes=4 << 20)
+    return LLM(
+        str(model_path),
+        dtype="float32",
+        device="cpu",
+        max_model_len=128,
+        block_size=4,
+        kv_cache_memory_bytes=4 << 20,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +85,9 @@ def hf_beam_search(
         output_scores=True,
     )
     lengths = (out.beam_indices >= 0).sum(dim=-1).tolist()
-    sequences = [out.sequences[i, len(prompt) : len(prompt) + n].tolist()
-                 for i, n in enumerate(lengths)]
+    sequences = [
+        out.sequences[i, len(prompt) : len(prompt) + n].tolist() for i, n in enumerate(lengths)
+    ]
     return sequences, out.sequences_scores.tolist()
 
 
@@ -83,8 +97,7 @@ def hf_beam_search(
 def test_beam_search_equals_transformers(
     llm: LLM, hf_model: transformers.PreTrainedModel, beam_width: int, length_penalty: float
 ) -> None:
-    params = BeamSearchParams(beam_width=beam_width, max_tokens=10,
-                              length_penalty=length_penalty)
+    params = BeamSearchParams(beam_width=beam_width, max_tokens=10, length_penalty=length_penalty)
     eos_token_ids = [*EOS_IDS, llm.get_tokenizer().eos_token_id]
     engine = llm.llm_engine
     hits_before = engine.kv_cache.num_hit_tokens

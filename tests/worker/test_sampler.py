@@ -37,8 +37,9 @@ def feed(manager: SamplingStateManager, request_id: str, prompt: list[int], outp
     """Feed the tokens as the engine does: the prompt as a prefill, then every output token
     as the input of the next decode step."""
     steps = [ScheduledRequest(request_id, prompt, 0, [], True)]
-    steps += [ScheduledRequest(request_id, [t], len(prompt) + i, [], True)
-              for i, t in enumerate(outputs)]
+    steps += [
+        ScheduledRequest(request_id, [t], len(prompt) + i, [], True) for i, t in enumerate(outputs)
+    ]
     for step in steps:
         manager.record_fed_tokens([step])
 
@@ -160,12 +161,18 @@ def test_processors_match_transformers() -> None:
         (params(min_p=0.1), hf.MinPLogitsWarper(0.1)),
         (params(temperature=0, repetition_penalty=1.5), hf.RepetitionPenaltyLogitsProcessor(1.5)),
         (params(temperature=0, repetition_penalty=0.7), hf.RepetitionPenaltyLogitsProcessor(0.7)),
-        (params(temperature=0, min_tokens=5, stop_token_ids=[EOS]),
-         hf.MinNewTokensLengthLogitsProcessor(len(prompt), 5, EOS)),
-        (params(temperature=0, logit_bias={11: 4.0, 12: -3.0}),
-         hf.SequenceBiasLogitsProcessor({(11,): 4.0, (12,): -3.0})),
-        (params(temperature=0, bad_words_token_ids=[[41, 3, 50], [3, 51], [60], [9, 61]]),
-         hf.NoBadWordsLogitsProcessor([[41, 3, 50], [3, 51], [60], [9, 61]])),
+        (
+            params(temperature=0, min_tokens=5, stop_token_ids=[EOS]),
+            hf.MinNewTokensLengthLogitsProcessor(len(prompt), 5, EOS),
+        ),
+        (
+            params(temperature=0, logit_bias={11: 4.0, 12: -3.0}),
+            hf.SequenceBiasLogitsProcessor({(11,): 4.0, (12,): -3.0}),
+        ),
+        (
+            params(temperature=0, bad_words_token_ids=[[41, 3, 50], [3, 51], [60], [9, 61]]),
+            hf.NoBadWordsLogitsProcessor([[41, 3, 50], [3, 51], [60], [9, 61]]),
+        ),
     ]
     torch.manual_seed(2)
     logits = torch.randn(len(cases), VOCAB) * 2
@@ -262,7 +269,7 @@ def test_seeded_inverse_cdf_samples_the_distribution() -> None:
     probs = torch.tensor([0.0, 0.4, 0.25, 0.15, 0.0, 0.1, 0.05, 0.05, 0.0])
     num = 40000
     uniform = seeded_uniform(torch.arange(num) * 7919, torch.full((num,), 17))
-    assert 0 <= float(uniform.min()) and float(uniform.max()) < 1
+    assert float(uniform.min()) >= 0 and float(uniform.max()) < 1
     assert abs(uniform.double().mean().item() - 0.5) < 0.005
     samples = inverse_cdf_sample(probs.repeat(num, 1), uniform)
     frequencies = torch.bincount(samples, minlength=len(probs)).double() / num
@@ -336,3 +343,23 @@ def test_samples_stay_inside_the_cut(top_k: int) -> None:
     sampled = Sampler().forward(logits.clone(), build(specs)).sampled_token_ids
     allowed = set(logits[0].topk(top_k).indices.tolist())
     assert set(sampled.tolist()) == allowed
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_and_the_reference() -> None:
+    """The same mixed batch on the GPU: processed logits as on the CPU, seeded draws equal."""
+    cuda = torch.device("cuda")
+    torch.manual_seed(7)
+    logits = torch.randn(len(MIXED), 3000) * 3
+    on_cpu = processed(logits, build(MIXED, SamplingStateManager(3000, CPU)))
+    on_gpu = processed(logits.to(cuda), build(MIXED, SamplingStateManager(3000, cuda))).cpu()
+    assert torch.equal(torch.isinf(on_cpu), torch.isinf(on_gpu))
+    finite = torch.isfinite(on_cpu)
+    torch.testing.assert_close(on_gpu[finite], on_cpu[finite], rtol=1e-5, atol=1e-4)
+    seeds, positions = torch.arange(-50, 50) * 104729, torch.arange(100) * 3
+    assert torch.equal(
+        seeded_uniform(seeds.to(cuda), positions.to(cuda)).cpu(), seeded_uniform(seeds, positions)
+    )
+    metadata = build(MIXED, SamplingStateManager(3000, cuda))
+    out = Sampler().forward(logits.to(cuda), metadata)
+    assert out.sampled_token_ids.shape == (len(MIXED),) and out.logprobs is None

@@ -1,0 +1,23 @@
+"""Triton kernels of the small fused layer ops, used for half-precision CUDA tensors only."""
+
+import functools
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import pagedserve.layers.kernels.fused_ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_fused_ops(x: torch.Tensor) -> bool:
+    """Whether the fused kernels apply to `x`: a float16/bfloat16 CUDA tensor, Triton present.
+
+    Float32 keeps the PyTorch ops, which match transformers bit for bit in the tests."""
+    return x.is_cuda and x.dtype in _HALF and _triton_importable()
