@@ -142,9 +142,7 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while (
-            self.waiting
-            and plan.token_budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
             hits, num_hit_tokens = (

@@ -3,13 +3,13 @@
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams
 
 # A prompt as vLLM accepts it: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
-PromptType = Union[str, Mapping[str, Any]]
+PromptType = str | Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +38,9 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         ids = list(eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            if tokenizer.eos_token_id not in ids:
-                ids.append(tokenizer.eos_token_id)
+        eos = None if tokenizer is None else tokenizer.eos_token_id
+        if eos is not None and eos not in ids:
+            ids.append(eos)
         self.eos_token_ids = tuple(ids)
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:

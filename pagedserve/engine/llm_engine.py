@@ -40,9 +40,7 @@ def child_requests(
     children = []
     for i in range(num_children):
         seed = None if params.seed is None else params.seed + i
-        child_params = dataclasses.replace(
-            params, n=1, best_of=None, seed=seed, logprobs=logprobs
-        )
+        child_params = dataclasses.replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs)
         children.append(
             Request(f"{i}_{request_id}", prompt_token_ids, child_params, max_tokens, arrival_time)
         )

@@ -24,8 +24,10 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = args.prompt or ["Once upon a time"]
     for output in llm.generate(prompts, params, use_tqdm=False):
         completion = output.outputs[0]
-        print(f"--- prompt: {output.prompt!r} ({completion.finish_reason}, "
-              f"{len(completion.token_ids)} tokens)")
+        print(
+            f"--- prompt: {output.prompt!r} ({completion.finish_reason}, "
+            f"{len(completion.token_ids)} tokens)"
+        )
         print((output.prompt or "") + completion.text)
     return 0
 
@@ -57,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/models, /tokenize, /detokenize, /health, /version, /metrics).",
     )
     serve.add_argument(
-        "model_tag", nargs="?", default=None, metavar="MODEL",
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
         help="model folder (same as --model; default: the bundled stories260k)",
     )
     add_server_args(serve)

@@ -54,9 +54,7 @@ def build_model_input(
     seq_lens = (computed + query_lens).astype(np.int32)
     num_tokens = int(query_start_loc[-1])
 
-    input_ids = np.fromiter(
-        (t for r in scheduled for t in r.token_ids), np.int64, num_tokens
-    )
+    input_ids = np.fromiter((t for r in scheduled for t in r.token_ids), np.int64, num_tokens)
     req_indices = np.repeat(np.arange(num_reqs), query_lens)
     positions = (
         np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens) + computed[req_indices]

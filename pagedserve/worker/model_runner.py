@@ -24,9 +24,14 @@ from pagedserve.worker.sampling_metadata import SamplingMetadata, SamplingStateM
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 _CPU_DEFAULT_KV_FRACTION = 0.25  # of available RAM
 _CPU_DEFAULT_KV_CAP = 2 << 30  # bytes
@@ -39,7 +44,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.dtype:
-    """"auto" takes the checkpoint's dtype, except half precision on CPU, which runs float32."""
+    """ "auto" takes the checkpoint's dtype, except half precision on CPU, which runs float32."""
     if name != "auto":
         return _DTYPES[name]
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -138,8 +143,11 @@ class ModelRunner:
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info(self.device)
         kv_bytes = int(total * self.config.cache_config.gpu_memory_utilization) - peak
-        logger.info("profiling: peak %.2f GiB without KV cache; %.2f GiB for KV blocks",
-                    peak / 2**30, kv_bytes / 2**30)
+        logger.info(
+            "profiling: peak %.2f GiB without KV cache; %.2f GiB for KV blocks",
+            peak / 2**30,
+            kv_bytes / 2**30,
+        )
         return max(kv_bytes // self.block_bytes, 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -167,8 +175,13 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attention_layers:
             cache = torch.zeros(
-                2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                dtype=self.model_dtype, device=self.device,
+                2,
+                num_blocks,
+                self.block_size,
+                layer.num_kv_heads,
+                layer.head_dim,
+                dtype=self.model_dtype,
+                device=self.device,
             )
             layer.kv_cache = cache
             self.kv_caches.append(cache)
@@ -178,9 +191,7 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [], [])
-        model_input = build_model_input(
-            scheduler_output, self.states, self.block_size, self.device
-        )
+        model_input = build_model_input(scheduler_output, self.states, self.block_size, self.device)
         assert self.model is not None
         attn_metadata = model_input.attn_metadata
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(
@@ -190,9 +201,7 @@ class ModelRunner:
                 model_input.input_ids, model_input.positions, attn_metadata
             )
         else:
-            hidden_states = self.model(
-                model_input.input_ids, model_input.positions, attn_metadata
-            )
+            hidden_states = self.model(model_input.input_ids, model_input.positions, attn_metadata)
         prompt_logprobs = self._prompt_logprobs(hidden_states, scheduler_output, model_input)
         if not model_input.sampled_request_ids:
             return ModelRunnerOutput([], [], [], prompt_logprobs)
@@ -214,9 +223,7 @@ class ModelRunner:
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         """A request resumed after preemption starts a new block table but keeps its sampling
         state (token counts, seed), which `add_request` leaves as it is."""
-        self.sampling_states.add_request(
-            new.request_id, new.sampling_params, new.prompt_token_ids
-        )
+        self.sampling_states.add_request(new.request_id, new.sampling_params, new.prompt_token_ids)
         return CachedRequestState(
             new.request_id, new.num_prompt_tokens, new.sampling_params, new.prompt_token_ids
         )

@@ -52,8 +52,13 @@ def test_cuda_graph_replay_equals_eager(tmp_path: Path) -> None:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
         initializer_range=0.2,
     )
     torch.manual_seed(0)
@@ -65,8 +70,15 @@ def test_cuda_graph_replay_equals_eager(tmp_path: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
 
     def run(enforce_eager: bool) -> list:
-        llm = LLM(str(tmp_path), dtype="float32", device="cuda", max_model_len=512,
-                  enforce_eager=enforce_eager, max_num_seqs=16, num_gpu_blocks_override=256)
+        llm = LLM(
+            str(tmp_path),
+            dtype="float32",
+            device="cuda",
+            max_model_len=512,
+            enforce_eager=enforce_eager,
+            max_num_seqs=16,
+            num_gpu_blocks_override=256,
+        )
         assert (llm.llm_engine.engine_core.executor.runner.cuda_graphs is None) == enforce_eager
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -75,7 +87,11 @@ def test_cuda_graph_replay_equals_eager(tmp_path: Path) -> None:
         if graph.token_ids == eager.token_ids:
             num_identical += 1
             continue
-        i = next(i for i, (a, b) in enumerate(zip(graph.token_ids, eager.token_ids)) if a != b)
+        i = next(
+            i
+            for i, (a, b) in enumerate(zip(graph.token_ids, eager.token_ids, strict=True))
+            if a != b
+        )
         a, b = graph.token_ids[i], eager.token_ids[i]
         assert graph.token_ids[:i] == eager.token_ids[:i]
         for logprobs in (graph.logprobs[i], eager.logprobs[i]):

@@ -43,20 +43,29 @@ def test_silu_and_mul(dtype: torch.dtype, size: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (20, 20, 64),
-                                                                      (16, 8, 128), (8, 4, 80)])
-def test_rotary_embedding(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> None:
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(32, 8, 128), (20, 20, 64), (16, 8, 128), (8, 4, 80)],
+)
+def test_rotary_embedding(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
     from pagedserve.layers.rotary import RotaryEmbedding
 
     rope = RotaryEmbedding(head_dim, 4096, 500000.0).cuda()
     positions = torch.randint(0, 4096, (41,), device="cuda")
     qkv = torch.randn(41, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device="cuda")
-    q, k, _ = qkv.split([num_heads * head_dim, num_kv_heads * head_dim] * 1
-                        + [num_kv_heads * head_dim], dim=-1)
-    ref_q, ref_k = rope._rotate(q.double(), *rope.cos_sin_cache[positions].double()
-                                .unsqueeze(1).chunk(2, dim=-1)), None
-    ref_k = rope._rotate(k.double(), *rope.cos_sin_cache[positions].double()
-                         .unsqueeze(1).chunk(2, dim=-1))
+    q, k, _ = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim] * 1 + [num_kv_heads * head_dim], dim=-1
+    )
+    ref_q, ref_k = (
+        rope._rotate(
+            q.double(), *rope.cos_sin_cache[positions].double().unsqueeze(1).chunk(2, dim=-1)
+        ),
+        None,
+    )
+    ref_k = rope._rotate(
+        k.double(), *rope.cos_sin_cache[positions].double().unsqueeze(1).chunk(2, dim=-1)
+    )
     out_q, out_k = rope(positions, q, k)  # fused path: in place on the qkv views
     assert rel_error(out_q, ref_q) < 1e-2 and rel_error(out_k, ref_k) < 1e-2
