@@ -168,6 +168,22 @@ class ModelRunner:
                 self.device,
             )
             self.cuda_graphs.capture()
+        if self.device.type == "cuda":
+            self.warm_up(num_blocks)
+
+    def warm_up(self, num_blocks: int) -> None:
+        """Run a few throw-away steps of the shapes the engine meets (a prefill, a prefill
+        beside decodes, long decodes that split the KV range) so that Triton compiles their
+        kernel variants now rather than inside the first requests. The steps write K/V into
+        free blocks, which nothing reads before it is written again."""
+        long_len = min(self.config.model_config.max_model_len - 2, 600)
+        blocks_per_request = -(-(long_len + 2) // self.block_size)
+        if 3 * blocks_per_request > num_blocks:
+            return
+        for step in _warm_up_steps(long_len, self.block_size, blocks_per_request):
+            self.execute_model(step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer, zeroed
@@ -311,3 +327,36 @@ def _available_ram_bytes() -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+def _warm_up_steps(
+    long_len: int, block_size: int, blocks_per_request: int
+) -> list[SchedulerOutput]:
+    """Three fake requests: a long prefill alone; then its decode beside a new prefill and a
+    one-token request (mixed launch, split-KV decode); then decodes only; then cleanup."""
+    from pagedserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0)
+    ids = ["__warm_up_0", "__warm_up_1", "__warm_up_2"]
+    blocks = [list(range(i * blocks_per_request, (i + 1) * blocks_per_request)) for i in range(3)]
+    short_len = min(long_len, 3 * block_size)
+    return [
+        SchedulerOutput(
+            [NewRequestData(ids[0], long_len, params, [1] * long_len)],
+            [ScheduledRequest(ids[0], [1] * long_len, 0, blocks[0], True)],
+        ),
+        SchedulerOutput(
+            [NewRequestData(ids[1], short_len, params, [1] * short_len),
+             NewRequestData(ids[2], 1, params, [1])],
+            [ScheduledRequest(ids[0], [1], long_len, [], True),
+             ScheduledRequest(ids[1], [1] * short_len, 0, blocks[1], True),
+             ScheduledRequest(ids[2], [1], 0, blocks[2], True)],
+        ),
+        SchedulerOutput(
+            [],
+            [ScheduledRequest(ids[0], [1], long_len + 1, [], True),
+             ScheduledRequest(ids[1], [1], short_len, [], True),
+             ScheduledRequest(ids[2], [1], 1, [], True)],
+        ),
+        SchedulerOutput([], [], set(ids)),
+    ]  # fmt: skip
