@@ -48,8 +48,12 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._backend = _backend_tokenizer(tokenizer)
+        # Stop strings do not count until more than min_tokens tokens exist (vLLM's rule).
+        self._min_tokens = min_tokens
+        self._num_output_tokens = 0
         self._skip_special_tokens = skip_special_tokens
         self._skipped_ids: frozenset[int] = frozenset()
         if skip_special_tokens:
@@ -94,6 +98,7 @@ class IncrementalDetokenizer:
         request; as in vLLM, its text is then left out unless include_stop_str_in_output.
         """
         assert self._stop_reason is None, "update() after a stop string already matched"
+        self._num_output_tokens += len(new_token_ids)
         if stop_terminated and not self._include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
         num_chars_before = len(self._output_text)
@@ -102,7 +107,11 @@ class IncrementalDetokenizer:
             if self._bare_added_tokens is not None:
                 new_text = self._without_space_between_added(token_id, new_text)
             self._output_text += new_text
-        if self._stop and len(self._output_text) > num_chars_before:
+        if (
+            self._stop
+            and len(self._output_text) > num_chars_before
+            and self._num_output_tokens > self._min_tokens
+        ):
             self._stop_reason = self._match_stop(num_chars_before)
         return self._stop_reason
 

@@ -82,6 +82,7 @@ class OutputProcessor:
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                     stop=params.stop_strings,
                     include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
                 )
             state = _SequenceState(index, detokenizer)
             if params.logprobs is not None:

@@ -178,7 +178,7 @@ class ModelRunner:
         free blocks, which nothing reads before it is written again."""
         long_len = min(self.config.model_config.max_model_len - 2, 600)
         blocks_per_request = -(-(long_len + 2) // self.block_size)
-        if 3 * blocks_per_request > num_blocks:
+        if long_len < 2 or 3 * blocks_per_request > num_blocks:
             return
         for step in _warm_up_steps(long_len, self.block_size, blocks_per_request):
             self.execute_model(step)

@@ -266,3 +266,14 @@ def test_chat_applies_template_once(tmp_path: Path) -> None:
     text = "<s>user: Tell me a story\nassistant:"
     assert out.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
     assert out.prompt_token_ids.count(tokenizer.bos_token_id) == 1
+
+
+def test_stop_string_does_not_count_before_min_tokens(llm: LLM) -> None:
+    base = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False
+    )[0].outputs[0]
+    first = base.text.index("Lily")  # "..., there was a little girl named Lily. She ..."
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["Lily"], min_tokens=30)
+    out = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) > 30 and len(out.text) > first + 4
+    assert out.text.startswith(base.text[: first + 4])
