@@ -10,9 +10,8 @@ from typing import Any
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core import check_fits_cache
 from pagedserve.engine.core_client import CoreOutputs, EngineCoreClient, wait_readable
-from pagedserve.engine.input_processor import InputProcessor, PromptType
-from pagedserve.engine.llm_engine import child_requests, load_tokenizer
-from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.input_processor import PromptType
+from pagedserve.engine.llm_engine import build_processors, child_requests
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.metrics import EngineMetrics
 from pagedserve.outputs import RequestOutput
@@ -74,20 +73,9 @@ class AsyncLLMEngine:
         self.engine_args = engine_args
         self.config = engine_args.create_engine_config()
         model_config = self.config.model_config
-        self.tokenizer = (
-            None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+        self.tokenizer, self.input_processor, self.output_processor = build_processors(
+            self.config
         )
-        vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0))
-        if not vocab_size and self.tokenizer is not None:
-            vocab_size = len(self.tokenizer)
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            model_config.max_model_len,
-            vocab_size,
-            model_config.eos_token_ids,
-            model_config.max_logprobs,
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.log_requests = log_requests
         self.log_stats = log_stats
         self.log_stats_interval_s = log_stats_interval_s

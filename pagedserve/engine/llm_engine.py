@@ -20,6 +20,26 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputProcessor]:
+    """The caller-side parts of an engine: the tokenizer (None with skip_tokenizer_init), the
+    InputProcessor (tokenize, validate) and the OutputProcessor (detokenize, stop strings)."""
+    model_config = config.model_config
+    tokenizer = (
+        None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+    )
+    vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0))
+    if not vocab_size and tokenizer is not None:
+        vocab_size = len(tokenizer)
+    input_processor = InputProcessor(
+        tokenizer,
+        model_config.max_model_len,
+        vocab_size,
+        model_config.eos_token_ids,
+        model_config.max_logprobs,
+    )
+    return tokenizer, input_processor, OutputProcessor(tokenizer)
+
+
 def child_requests(
     request_id: str,
     prompt_token_ids: list[int],
@@ -56,20 +76,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_config = config.model_config
-        self.tokenizer = (
-            None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
-        )
+        self.tokenizer, self.input_processor, self.output_processor = build_processors(config)
         self.engine_core = EngineCore(config)
-        vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0)) or len(self.tokenizer)
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            model_config.max_model_len,
-            vocab_size,
-            model_config.eos_token_ids,
-            model_config.max_logprobs,
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
