@@ -73,9 +73,7 @@ class AsyncLLMEngine:
         self.engine_args = engine_args
         self.config = engine_args.create_engine_config()
         model_config = self.config.model_config
-        self.tokenizer, self.input_processor, self.output_processor = build_processors(
-            self.config
-        )
+        self.tokenizer, self.input_processor, self.output_processor = build_processors(self.config)
         self.log_requests = log_requests
         self.log_stats = log_stats
         self.log_stats_interval_s = log_stats_interval_s

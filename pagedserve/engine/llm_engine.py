@@ -24,9 +24,7 @@ def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputP
     """The caller-side parts of an engine: the tokenizer (None with skip_tokenizer_init), the
     InputProcessor (tokenize, validate) and the OutputProcessor (detokenize, stop strings)."""
     model_config = config.model_config
-    tokenizer = (
-        None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
-    )
+    tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
     vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0))
     if not vocab_size and tokenizer is not None:
         vocab_size = len(tokenizer)

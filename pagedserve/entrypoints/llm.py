@@ -69,7 +69,9 @@ class LLM:
         sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
         Raises ValueError on bad input before any request starts.
         """
-        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        prompt_list: list[PromptType] = (
+            [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        )
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
 

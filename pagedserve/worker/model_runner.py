@@ -1,6 +1,7 @@
 """ModelRunner: loads the model, owns the KV cache tensors and runs one step on a device."""
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -221,10 +222,18 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden_states, scheduler_output, model_input)
         if not model_input.sampled_request_ids:
             return ModelRunnerOutput([], [], [], prompt_logprobs)
-        logits = self.model.compute_logits(hidden_states[model_input.logits_indices])
+        logits = self._compute_logits(hidden_states[model_input.logits_indices])
         metadata = self._sampling_metadata(model_input)
         sampler_output = self.sampler.forward(logits, metadata)
         return _to_runner_output(model_input, sampler_output, metadata, prompt_logprobs)
+
+    def _compute_logits(
+        self,
+        hidden_states: torch.Tensor,  # [num_rows, hidden_size]
+    ) -> torch.Tensor:  # [num_rows, vocab_size] float32
+        assert self.model is not None
+        compute: Callable[[torch.Tensor], torch.Tensor] = self.model.compute_logits  # type: ignore[assignment]
+        return compute(hidden_states)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
@@ -270,7 +279,7 @@ class ModelRunner:
             if num_logprobs is None or end <= first:
                 continue
             result[scheduled.request_id] = compute_prompt_logprobs(
-                self.model.compute_logits,
+                self._compute_logits,
                 hidden_states[starts[i] : starts[i] + end - first],
                 state.prompt_token_ids[first + 1 : end + 1],
                 num_logprobs,

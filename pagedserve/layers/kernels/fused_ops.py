@@ -5,6 +5,8 @@ layer just for these) with one kernel that reads its inputs once. Float32 stays 
 PyTorch path, which the CPU tests compare with transformers bit for bit.
 """
 
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
 import torch
 import triton
 import triton.language as tl
