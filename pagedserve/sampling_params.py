@@ -148,12 +148,14 @@ class SamplingParams:
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        _check(self.top_k < 2**63, "top_k", f"must fit in 64 bits, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**63, "seed", f"must fit in 64 bits, got {self.seed}")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        _check(self.min_tokens < 2**63, "min_tokens", f"must fit in 64 bits, got {self.min_tokens}")
         if self.max_tokens is not None:
             _check(
                 self.min_tokens <= self.max_tokens,
@@ -178,6 +180,9 @@ class SamplingParams:
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )
         _check(
+            all(map(_is_unicode, self.stop)), "stop", "must be valid Unicode (no lone surrogate)"
+        )
+        _check(
             not self.stop or self.detokenize,
             "stop",
             "needs detokenize=True (stop strings are matched in the text)",
@@ -194,6 +199,11 @@ class SamplingParams:
                 and all(isinstance(w, str) and w.strip() for w in self.bad_words),
                 "bad_words",
                 f"must be a list of non-blank strings, got {self.bad_words!r}",
+            )
+            _check(
+                all(map(_is_unicode, self.bad_words)),
+                "bad_words",
+                "must be valid Unicode (no lone surrogate)",
             )
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
@@ -308,6 +318,15 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string the tokenizer cannot take: a lone surrogate ("\\ud800" in JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check(ok: bool, name: str, message: str, owner: str = "SamplingParams") -> None:

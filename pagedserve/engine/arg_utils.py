@@ -192,7 +192,9 @@ def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        help_text = f"{_FLAG_HELP.get(f.name, '')} (default: %(default)s)"
+        help_text = _FLAG_HELP.get(f.name, "")
+        if "default" not in help_text:
+            help_text += " (default: %(default)s)"
         if isinstance(default, bool):
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text

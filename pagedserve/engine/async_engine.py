@@ -11,7 +11,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core import check_fits_cache
 from pagedserve.engine.core_client import CoreOutputs, EngineCoreClient, wait_readable
 from pagedserve.engine.input_processor import PromptType
-from pagedserve.engine.llm_engine import build_processors, child_requests
+from pagedserve.engine.llm_engine import build_processors, check_child_ids_free, child_requests
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.metrics import EngineMetrics
 from pagedserve.outputs import RequestOutput
@@ -151,6 +151,7 @@ class AsyncLLMEngine:
         children = child_requests(
             request_id, processed.prompt_token_ids, processed.sampling_params, processed.max_tokens
         )
+        check_child_ids_free(request_id, children, self.output_processor.child_to_parent)
         self.core.send_add(children)
         self.output_processor.add_request(
             request_id,

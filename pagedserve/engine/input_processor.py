@@ -160,4 +160,10 @@ class InputProcessor:
             raise InvalidRequestError("the prompt is empty; give at least one character")
         if self.tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer; pass prompt_token_ids")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(
+                f"the prompt is not valid Unicode: a lone surrogate at character {e.start}"
+            ) from None
         return list(self.tokenizer.encode(text))

@@ -65,6 +65,19 @@ def child_requests(
     return children
 
 
+def check_child_ids_free(
+    request_id: str, children: list[Request], child_to_parent: dict[str, Any]
+) -> None:
+    """Raise InvalidRequestError when an engine-core id of `children` is taken: "0_x" of a
+    request "x" with n=2 and a request named "0_x" would mix up their outputs."""
+    for child in children:
+        if child.request_id in child_to_parent:
+            raise InvalidRequestError(
+                f"request id {request_id!r} needs the engine request id {child.request_id!r}, "
+                f"which is already in use; choose another request id"
+            )
+
+
 class LLMEngine:
     """Tokenizes requests, runs them on an in-process EngineCore and returns their outputs.
 
@@ -112,6 +125,7 @@ class LLMEngine:
             processed.max_tokens,
             arrival_time,
         )
+        check_child_ids_free(request_id, children, self.output_processor.child_to_parent)
         self.output_processor.add_request(
             request_id,
             processed.prompt,

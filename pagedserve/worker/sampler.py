@@ -10,6 +10,7 @@ from pagedserve.worker.penalties import apply_penalties
 from pagedserve.worker.sampling_metadata import SamplingMetadata, Truncation
 
 _NEG_INF = float("-inf")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 # Top-p looks for its nucleus among this many most likely tokens first (a top-k is much cheaper
 # than a sort of the whole vocabulary, on CPUs above all); rows whose nucleus is larger fall
 # back to the whole vocabulary.
@@ -108,6 +109,10 @@ def sample_random(
     logits: torch.Tensor,  # [num_rows, vocab_size] float32, temperature applied; cut in place
     metadata: SamplingMetadata,
 ) -> torch.Tensor:  # [num_rows] int64
+    # An infinite logit (a penalty or temperature overflowing float32) or a row with every
+    # token banned would make the softmax NaN and the sampled id fall outside the vocabulary:
+    # keep the logits finite so that every row samples a real token.
+    logits.nan_to_num_(nan=0.0, posinf=_FLOAT32_MAX, neginf=-_FLOAT32_MAX)
     probs = sampling_probs(logits, metadata)
     seeds = metadata.seeds
     if seeds is not None and seeds.rows.numel() == probs.shape[0]:

@@ -4,7 +4,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 def random_id(prefix: str) -> str:
@@ -14,6 +14,33 @@ def random_id(prefix: str) -> str:
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as OpenAI and vLLM do; known ones are validated strictly.
     model_config = ConfigDict(extra="ignore")
+
+
+def _check_unicode(value: Any) -> Any:
+    """JSON can spell a lone surrogate ("\\ud800"), which neither the tokenizer nor the
+    engine-core messages can encode: refuse it here (a 400 naming the field), not later."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode (it holds a lone surrogate)") from None
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+    return value
+
+
+class RequestModel(OpenAIModel):
+    """A request body (or a part of one): every string in it must be valid Unicode."""
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        return _check_unicode(value)
 
 
 class ErrorInfo(OpenAIModel):
@@ -37,7 +64,7 @@ class UsageInfo(OpenAIModel):
     total_tokens: int = 0
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestModel):
     """Fields that completions and chat share: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
@@ -106,12 +133,12 @@ class CompletionStreamResponse(CompletionResponse):
     pass
 
 
-class TextContentPart(OpenAIModel):
+class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(OpenAIModel):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -211,13 +238,13 @@ class ModelList(OpenAIModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class TokenizeCompletionRequest(OpenAIModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
 
 
-class TokenizeChatRequest(OpenAIModel):
+class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -233,7 +260,7 @@ class TokenizeResponse(OpenAIModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -62,7 +62,8 @@ _ERROR_TYPES = {
 
 
 def error_body(status_code: int, message: str, param: str | None = None) -> dict[str, Any]:
-    error_type = _ERROR_TYPES.get(status_code, "InternalServerError")
+    default = "InternalServerError" if status_code >= 500 else "BadRequestError"
+    error_type = _ERROR_TYPES.get(status_code, default)
     info = ErrorInfo(message=message, type=error_type, param=param, code=status_code)
     return ErrorResponse(error=info).model_dump()
 

@@ -111,7 +111,9 @@ class OpenAIServingChat:
             request.continue_final_message,
             request.chat_template_kwargs,
         )
-        max_tokens = request.max_completion_tokens or request.max_tokens
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:  # not `or`: max_completion_tokens=0 is an error, not "unset"
+            max_tokens = request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = sampling_params(request, max_tokens, logprobs)
         request_id = random_id("chatcmpl")
