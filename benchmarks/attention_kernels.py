@@ -1,6 +1,7 @@
 """Times the Triton attention kernels on a GPU: decode (achieved HBM bandwidth) and prefill.
 
-    PYTHONPATH=. python3 benchmarks/attention_kernels.py [--model llama3-8b] [--sweep decode] [--quick]
+    PYTHONPATH=. python3 benchmarks/attention_kernels.py [--model llama3-8b] [--sweep decode]
+        [--quick]
 
 Each kernel is captured in a CUDA graph and replayed (triton.testing.do_bench_cudagraph,
 median), so the numbers are GPU time without Python launch overhead. Decode bandwidth counts

@@ -206,9 +206,15 @@ class LLM:
             raise
         outputs: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        outputs[output.request_id] = output
-                        bar.update(1)
+            try:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            outputs[output.request_id] = output
+                            bar.update(1)
+            except BaseException:
+                # A failed step (or Ctrl-C) must not leave this call's requests behind to
+                # hang the next generate(): abort them, freeing their blocks, then re-raise.
+                engine.abort_request(request_ids)
+                raise
         return [outputs[request_id] for request_id in request_ids]

@@ -277,3 +277,26 @@ def test_stop_string_does_not_count_before_min_tokens(llm: LLM) -> None:
     out = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) > 30 and len(out.text) > first + 4
     assert out.text.startswith(base.text[: first + 4])
+
+
+def test_a_failed_step_leaves_the_engine_usable(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    executor = llm.llm_engine.engine_core.executor
+    original = executor.execute_model
+    calls = {"n": 0}
+
+    def fail_on_third_step(scheduler_output):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected step failure")
+        return original(scheduler_output)
+
+    monkeypatch.setattr(executor, "execute_model", fail_on_third_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(["Once upon a time", "The dog"], SamplingParams(max_tokens=8), use_tqdm=False)
+    monkeypatch.setattr(executor, "execute_model", original)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.kv_cache.usage == 0.0
+    out = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
+    )[0]
+    assert len(out.outputs[0].token_ids) == 5
