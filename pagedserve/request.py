@@ -52,8 +52,12 @@ class Request:
         sampling_params: SamplingParams,
         max_tokens: int,
         arrival_time: float | None = None,
+        sharing_group: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # The user request this one is a sequence of (n > 1): siblings share prompt blocks
+        # even with prefix caching off.
+        self.sharing_group = sharing_group
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # resolved: never None here
         self.status = RequestStatus.WAITING

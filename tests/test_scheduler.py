@@ -180,7 +180,8 @@ def test_random_operations_keep_invariants(
             max_tokens = rng.randrange(1, 8)
             if len(prompt) + max_tokens <= max_model_len:
                 params = SamplingParams(max_tokens=max_tokens, eos_token_ids=(0,))
-                request = Request(f"r{op}", prompt, params, max_tokens)
+                group = rng.choice([None, "g1", "g2"])  # siblings share with caching off too
+                request = Request(f"r{op}", prompt, params, max_tokens, sharing_group=group)
                 scheduler.add_request(request)
                 requests.append(request)
         elif choice < 0.4 and requests:

@@ -126,6 +126,7 @@ class EngineCoreClient:
                 r.prompt_token_ids,
                 encode_sampling_params(r.sampling_params),
                 r.max_tokens,
+                r.sharing_group,
             ]
             for r in requests
         ]

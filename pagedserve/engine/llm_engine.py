@@ -60,7 +60,14 @@ def child_requests(
         seed = None if params.seed is None else params.seed + i
         child_params = dataclasses.replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs)
         children.append(
-            Request(f"{i}_{request_id}", prompt_token_ids, child_params, max_tokens, arrival_time)
+            Request(
+                f"{i}_{request_id}",
+                prompt_token_ids,
+                child_params,
+                max_tokens,
+                arrival_time,
+                sharing_group=request_id,
+            )
         )
     return children
 

@@ -22,7 +22,9 @@ class KVCacheManager:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # The pool always keeps an index: with prefix caching off it still serves the sibling
+        # sequences of one request (n > 1), whose hashes carry their group as an extra key.
+        self.block_pool = BlockPool(num_blocks, enable_caching=True)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already in the index
@@ -44,7 +46,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks that starts the request's tokens, and its length
         in tokens. The last token is never a hit: the model must run on it to sample."""
-        if not self.enable_caching:
+        if not self._is_cacheable(request):
             return [], 0
         hashes = self._block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -79,7 +81,7 @@ class KVCacheManager:
         if not hits:  # fast path of a decode: usually no new block and nothing to cache
             num_tokens_after = request.num_computed_tokens + num_new_tokens
             if num_tokens_after <= len(blocks) * self.block_size:
-                if self.enable_caching and (
+                if self._is_cacheable(request) and (
                     num_tokens_after // self.block_size
                     > self.num_cached_blocks.get(request.request_id, 0)
                 ):
@@ -98,7 +100,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.allocate(num_new_blocks)
         blocks.extend(hits)
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self._is_cacheable(request):
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return [block.block_id for block in hits + new_blocks]
 
@@ -113,9 +115,14 @@ class KVCacheManager:
         """See `BlockPool.check_invariants`; raises AssertionError on inconsistency."""
         self.block_pool.check_invariants(self.req_to_blocks.values())
 
+    def _is_cacheable(self, request: Request) -> bool:
+        return self.enable_caching or request.sharing_group is not None
+
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         known = self.req_to_block_hashes.setdefault(request.request_id, [])
-        return hash_request_blocks(request.all_token_ids, self.block_size, known)
+        # With prefix caching off only siblings may share: their group keys their hashes.
+        extra_keys = b"" if self.enable_caching else (request.sharing_group or "").encode()
+        return hash_request_blocks(request.all_token_ids, self.block_size, known, extra_keys)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the request's blocks that are full once its first `num_tokens` are written."""

@@ -145,3 +145,23 @@ def test_seeded_n_is_reproducible_and_best_of_picks_the_most_likely() -> None:
     assert best.outputs[0].logprobs is None  # not asked for
     for got, want in zip(best.outputs, ranked, strict=True):
         assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-5)
+
+
+def test_parallel_sampling_shares_prompt_blocks_without_prefix_caching() -> None:
+    llm = make_llm(enable_prefix_caching=False)
+    prompt = story_prompts(llm, 1)[0]  # 3 full blocks + a partial one
+    engine = llm.llm_engine
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    engine.add_request("n4", {"prompt_token_ids": prompt}, params)
+    assert peak_blocks(engine) == 3 + 4
+    # Unrelated requests still share nothing, even with the same prompt.
+    for i in range(2):
+        engine.add_request(
+            str(i),
+            {"prompt_token_ids": prompt},
+            SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True),
+        )
+    assert peak_blocks(engine) == 2 * 4
+    same = make_llm().generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    again = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert [c.token_ids for c in same.outputs] == [c.token_ids for c in again.outputs]
