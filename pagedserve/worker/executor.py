@@ -12,7 +12,8 @@ there are:
 `create_executor` picks one from `ParallelConfig.executor_backend`.
 """
 
-from typing import Protocol
+from abc import ABC, abstractmethod
+from typing import Any, Protocol
 
 from pagedserve.config import EngineConfig
 from pagedserve.step import ModelRunnerOutput, SchedulerOutput
@@ -75,3 +76,32 @@ class UniprocExecutor:
 
     def shutdown(self) -> None:
         pass
+
+
+STARTUP_TIMEOUT_S = 1800.0  # loading and (GPU) profiling a large checkpoint from a slow disk
+
+
+class RankGroupExecutor(ABC):
+    """What the multi-rank executors (processes, Ray actors) share: every call runs on every
+    rank; rank 0's answer is the step's output. Subclasses say how a call reaches the ranks."""
+
+    timeout_s: float
+
+    @abstractmethod
+    def _call(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        """Run `method(*args)` on every rank's worker; their results in rank order. Raises
+        EngineDeadError when a rank fails, dies or does not answer within `timeout_s`."""
+
+    def determine_num_blocks(self) -> int:
+        """The fewest blocks any rank can hold (ranks may differ in free memory)."""
+        num_blocks: list[int] = self._call("determine_num_blocks", timeout_s=STARTUP_TIMEOUT_S)
+        return min(num_blocks)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks, timeout_s=STARTUP_TIMEOUT_S)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output: ModelRunnerOutput = self._call(
+            "execute_model", scheduler_output, timeout_s=self.timeout_s
+        )[0]
+        return output

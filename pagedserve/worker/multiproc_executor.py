@@ -44,11 +44,10 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import get_open_port
 from pagedserve.errors import EngineDeadError
-from pagedserve.step import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.executor import STARTUP_TIMEOUT_S, RankGroupExecutor
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 1800.0  # loading and (GPU) profiling a large checkpoint from a slow disk
 _SHUTDOWN_TIMEOUT_S = 5.0
 
 
@@ -66,7 +65,7 @@ class _WorkerProcess:
     conn: connection.Connection  # the engine's end of the worker's pipe
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(RankGroupExecutor):
     """Ranks as local processes; see the module docstring for the message path."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -106,20 +105,6 @@ class MultiprocExecutor:
     @property
     def block_bytes(self) -> int:
         return self._block_bytes
-
-    def determine_num_blocks(self) -> int:
-        """The fewest blocks any rank can hold (ranks may differ in free memory)."""
-        num_blocks: list[int] = self._call("determine_num_blocks", timeout_s=STARTUP_TIMEOUT_S)
-        return min(num_blocks)
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call("initialize_cache", num_blocks, timeout_s=STARTUP_TIMEOUT_S)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output: ModelRunnerOutput = self._call(
-            "execute_model", scheduler_output, timeout_s=self.timeout_s
-        )[0]
-        return output
 
     def shutdown(self) -> None:
         """Ask every worker to leave its group and exit; kill those that do not. Idempotent."""

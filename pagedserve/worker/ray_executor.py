@@ -22,8 +22,7 @@ from typing import Any
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import get_ip, get_open_port
 from pagedserve.errors import EngineDeadError
-from pagedserve.step import ModelRunnerOutput, SchedulerOutput
-from pagedserve.worker.multiproc_executor import STARTUP_TIMEOUT_S
+from pagedserve.worker.executor import STARTUP_TIMEOUT_S, RankGroupExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ class RayWorker:
         return getattr(self.worker, method)(*args)
 
 
-class RayExecutor:
+class RayExecutor(RankGroupExecutor):
     """Ranks as Ray actors in a placement group; see the module docstring."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -125,20 +124,6 @@ class RayExecutor:
         ray = _import_ray()
         pids: list[int] = ray.get([a.pid.remote() for a in self.actors], timeout=self.timeout_s)
         return pids
-
-    def determine_num_blocks(self) -> int:
-        """The fewest blocks any rank can hold (ranks may differ in free memory)."""
-        num_blocks: list[int] = self._call("determine_num_blocks", timeout_s=STARTUP_TIMEOUT_S)
-        return min(num_blocks)
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call("initialize_cache", num_blocks, timeout_s=STARTUP_TIMEOUT_S)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output: ModelRunnerOutput = self._call(
-            "execute_model", scheduler_output, timeout_s=self.timeout_s
-        )[0]
-        return output
 
     def _call(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
         """Run Worker.<method>(*args) on every rank; the replies in rank order."""
