@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: chat template, then generation, whole or as SSE deltas."""
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -103,7 +104,8 @@ class OpenAIServingChat:
         check_model(request.model, self.served_model_names)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        text, token_ids = render_chat(
+        text, token_ids = await asyncio.to_thread(  # off the event loop, as for completions
+            render_chat,
             self.tokenizer,
             request.messages,
             self.chat_template,

@@ -1,5 +1,6 @@
 """POST /v1/completions: prompts in, completions out, whole or as server-sent events."""
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -65,7 +66,9 @@ class OpenAIServingCompletion:
             raise OpenAIError(400, "suffix is not supported", "suffix")
         if request.stream and request.best_of is not None and request.best_of != request.n:
             raise OpenAIError(400, "best_of other than n cannot be streamed", "best_of")
-        prompts = self._prompts(request)
+        # Tokenizing can take long (a huge prompt): keep it off the event loop, which serves
+        # every other request.
+        prompts = await asyncio.to_thread(self._prompts, request)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get their logprobs too
@@ -100,10 +103,10 @@ class OpenAIServingCompletion:
         prompts: list[PromptType] = []
         for item in items:
             if isinstance(item, str):
-                if request.add_special_tokens:
-                    prompts.append(item)
+                if not item or self.tokenizer is None:
+                    prompts.append(item)  # the engine's own error for these cases
                 else:
-                    ids = self.tokenizer.encode(item, add_special_tokens=False)
+                    ids = self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
                     prompts.append({"prompt": item, "prompt_token_ids": ids})
             else:
                 prompts.append({"prompt_token_ids": list(item)})
