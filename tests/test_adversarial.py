@@ -93,3 +93,13 @@ def test_request_id_colliding_with_a_child_id_is_refused() -> None:
     assert len(finished["y"].outputs) == 2
     engine.abort_request(["0_x", "y"])  # after they finished: ignored
     _assert_idle(engine)
+
+
+def test_child_seeds_wrap_within_64_bits() -> None:
+    from pagedserve.engine.llm_engine import child_requests
+
+    params = SamplingParams(n=3, seed=2**63 - 2, max_tokens=4)
+    seeds = [r.sampling_params.seed for r in child_requests("x", [1, 2], params, 4)]
+    assert seeds == [2**63 - 2, 2**63 - 1, -(2**63)]
+    negative = SamplingParams(n=2, seed=-5, max_tokens=4)
+    assert [r.sampling_params.seed for r in child_requests("y", [1], negative, 4)] == [-5, -4]

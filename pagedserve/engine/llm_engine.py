@@ -57,7 +57,8 @@ def child_requests(
         logprobs = 0
     children = []
     for i in range(num_children):
-        seed = None if params.seed is None else params.seed + i
+        # seed + i as vLLM, wrapped so that a seed near the 64-bit limit stays valid.
+        seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
         child_params = dataclasses.replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs)
         children.append(
             Request(
