@@ -65,6 +65,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell the workers at the next step
         self.num_preemptions_total = 0
         self.num_scheduled_tokens_total = 0  # tokens fed to the model (prefix hits excluded)
+        # Parallel sampling: siblings waiting for their leader's prompt (leader id -> them).
+        self.pending_forks: dict[str, list[Request]] = {}
 
     @property
     def num_running(self) -> int:
@@ -81,7 +83,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        leader = self.requests.get(request.fork_of) if request.fork_of else None
+        if leader is not None and leader.num_output_tokens == 0:
+            self.pending_forks.setdefault(leader.request_id, []).append(request)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string); frees their blocks."""
@@ -92,6 +98,8 @@ class Scheduler:
                 continue  # already finished
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.pending_forks.get(request.fork_of or "", []):
+                self.pending_forks[request.fork_of or ""].remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -110,13 +118,17 @@ class Scheduler:
         for request, num_new_tokens, new_block_ids in plan.scheduled:
             start = request.num_computed_tokens
             request.num_computed_tokens += num_new_tokens
+            sample = request.num_computed_tokens == request.num_tokens
+            forks = self._fork_siblings(request, plan) if sample else ()
             scheduled_requests.append(
                 ScheduledRequest(
                     request_id=request.request_id,
                     token_ids=request.all_token_ids[start : start + num_new_tokens],
                     num_computed_tokens=start,
                     new_block_ids=new_block_ids,
-                    sample=request.num_computed_tokens == request.num_tokens,
+                    sample=sample,
+                    fork_request_ids=forks,
+                    block_copy=self.kv_cache.take_block_copy(request),
                 )
             )
         finished_ids, self._finished_ids = self._finished_ids, set()
@@ -173,6 +185,35 @@ class Scheduler:
                 )
             )
             plan.add(request, num_new_tokens, new_block_ids)
+
+    def _fork_siblings(self, leader: Request, plan: _StepPlan) -> tuple[str, ...]:
+        """Start the siblings waiting for `leader`, whose prompt ends in this step: they take
+        its block table (shared by reference count) and sample their first token from its
+        logits. Without room in `max_num_seqs` they run as plain requests instead."""
+        siblings = self.pending_forks.pop(leader.request_id, [])
+        if not siblings or leader.num_output_tokens > 0:
+            self.waiting.extend(siblings)
+            return ()
+        if len(self.running) + len(siblings) > self.config.max_num_seqs:
+            self.waiting.extend(siblings)
+            return ()
+        for sibling in siblings:
+            # Requests forked from a sibling have no step of their own to fork at.
+            self.waiting.extend(self.pending_forks.pop(sibling.request_id, []))
+            self.kv_cache.fork(leader, sibling)
+            sibling.num_computed_tokens = leader.num_computed_tokens
+            sibling.num_cached_tokens = max(leader.num_cached_tokens, 0)
+            sibling.status = RequestStatus.RUNNING
+            self.running.append(sibling)
+            plan.new_requests.append(
+                NewRequestData(
+                    sibling.request_id,
+                    sibling.num_prompt_tokens,
+                    sibling.sampling_params,
+                    sibling.prompt_token_ids,
+                )
+            )
+        return tuple(sibling.request_id for sibling in siblings)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
@@ -238,3 +279,5 @@ class Scheduler:
         self.kv_cache.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
+        # Siblings still waiting for this request compute their own prompt instead.
+        self.waiting.extend(self.pending_forks.pop(request.request_id, []))

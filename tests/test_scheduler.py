@@ -40,7 +40,12 @@ def make_request(
 
 def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
     out = scheduler.schedule()
-    sampled = [r.request_id for r in out.scheduled_requests if r.sample]
+    sampled = [
+        request_id
+        for r in out.scheduled_requests
+        if r.sample
+        for request_id in (r.request_id, *r.fork_request_ids)
+    ]
     runner = ModelRunnerOutput(sampled, [token] * len(sampled), [None] * len(sampled))
     scheduler.update_from_output(out, runner)
     return out
@@ -181,7 +186,20 @@ def test_random_operations_keep_invariants(
             if len(prompt) + max_tokens <= max_model_len:
                 params = SamplingParams(max_tokens=max_tokens, eos_token_ids=(0,))
                 group = rng.choice([None, "g1", "g2"])  # siblings share with caching off too
-                request = Request(f"r{op}", prompt, params, max_tokens, sharing_group=group)
+                # Some requests fork from an earlier one (parallel sampling's siblings).
+                leader = rng.choice(requests) if requests and rng.random() < 0.3 else None
+                if leader is not None:
+                    prompt = list(leader.prompt_token_ids)
+                    if len(prompt) + max_tokens > max_model_len:
+                        continue
+                request = Request(
+                    f"r{op}",
+                    prompt,
+                    params,
+                    max_tokens,
+                    sharing_group=group,
+                    fork_of=leader.request_id if leader is not None else None,
+                )
                 scheduler.add_request(request)
                 requests.append(request)
         elif choice < 0.4 and requests:

@@ -127,6 +127,7 @@ class EngineCoreClient:
                 encode_sampling_params(r.sampling_params),
                 r.max_tokens,
                 r.sharing_group,
+                r.fork_of,
             ]
             for r in requests
         ]

@@ -4,7 +4,8 @@ Requests and outputs cross as msgpack arrays of plain data (token ids, counts, s
 first item names the message:
 
     server -> core (PUSH/PULL, "input"):
-        ["add", [[request_id, prompt_token_ids, params, max_tokens, sharing_group], ...]]
+        ["add", [[request_id, prompt_token_ids, params, max_tokens, sharing_group, fork_of],
+            ...]]
             params: the SamplingParams fields by name (`encode_sampling_params`)
         ["abort", [request_id, ...]]    free now; the caller has forgotten them
         ["finish", [request_id, ...]]   a stop string matched: finish as FINISHED_STOPPED
@@ -184,7 +185,7 @@ class _CoreLoop:
         kind = message[0]
         if kind == "add":
             now = time.monotonic()
-            for request_id, prompt_token_ids, params, max_tokens, group in message[1]:
+            for request_id, prompt_token_ids, params, max_tokens, group, fork_of in message[1]:
                 request = Request(
                     request_id,
                     prompt_token_ids,
@@ -192,6 +193,7 @@ class _CoreLoop:
                     max_tokens,
                     now,
                     sharing_group=group,
+                    fork_of=fork_of,
                 )
                 try:
                     self.core.add_request(request)

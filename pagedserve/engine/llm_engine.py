@@ -68,6 +68,7 @@ def child_requests(
                 max_tokens,
                 arrival_time,
                 sharing_group=request_id,
+                fork_of=None if i == 0 else f"0_{request_id}",
             )
         )
     return children

@@ -68,7 +68,13 @@ def build_model_input(
         block_tables[req_indices, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
-    sampled_rows = [i for i, r in enumerate(scheduled) if r.sample]
+    # A request whose prompt ends this step also samples for the siblings forked from it.
+    sampled_rows, sampled_request_ids = [], []
+    for i, r in enumerate(scheduled):
+        if r.sample:
+            for request_id in (r.request_id, *r.fork_request_ids):
+                sampled_rows.append(i)
+                sampled_request_ids.append(request_id)
     logits_indices = query_start_loc[1:][sampled_rows].astype(np.int64) - 1
 
     def to_device(array: np.ndarray) -> torch.Tensor:
@@ -91,6 +97,6 @@ def build_model_input(
         positions=to_device(positions.astype(np.int64)),
         attn_metadata=attn_metadata,
         logits_indices=to_device(logits_indices),
-        sampled_request_ids=[scheduled[i].request_id for i in sampled_rows],
+        sampled_request_ids=sampled_request_ids,
         sampled_seq_lens=[int(seq_lens[i]) for i in sampled_rows],
     )

@@ -165,3 +165,59 @@ def test_parallel_sampling_shares_prompt_blocks_without_prefix_caching() -> None
     same = make_llm().generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     again = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     assert [c.token_ids for c in same.outputs] == [c.token_ids for c in again.outputs]
+
+
+def test_siblings_fork_from_the_prompt_and_copy_the_partial_block_on_write() -> None:
+    """n sequences: the prompt is computed once, its blocks (the partial one too) are shared
+    by reference count, and the partial block is copied when each sequence writes to it."""
+    llm = make_llm(enable_prefix_caching=False)
+    prompt = story_prompts(llm, 1)[0]  # 3 full blocks + a partial one
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.scheduler
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0]
+    before = scheduler.num_scheduled_tokens_total
+    engine.add_request(
+        "n3",
+        {"prompt_token_ids": prompt},
+        SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True),
+    )
+    engine.step()  # the prompt, once, for all three
+    assert scheduler.num_scheduled_tokens_total - before == len(prompt)
+    used = engine.kv_cache.block_pool.num_blocks - engine.kv_cache.num_free_blocks
+    assert used == 4  # shared by all three sequences
+    engine.step()  # each writes its first token into the shared partial block: 2 copies
+    used = engine.kv_cache.block_pool.num_blocks - engine.kv_cache.num_free_blocks
+    assert used == 4 + 2
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    # Right copies mean right attention: every greedy sequence equals the single request.
+    assert [c.token_ids for c in outputs[0].outputs] == [alone.outputs[0].token_ids] * 3
+    assert engine.kv_cache.num_free_blocks == 64
+    engine.kv_cache.check_invariants()
+
+
+def test_forked_siblings_survive_preemption_and_aborts() -> None:
+    llm = make_llm(num_gpu_blocks_override=12, max_model_len=128, max_num_batched_tokens=16)
+    prompts = story_prompts(llm, 3)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = [
+        o.outputs[0].token_ids
+        for o in make_llm().generate(
+            [{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False
+        )
+    ]
+    params = SamplingParams(n=2, temperature=0, max_tokens=30, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e, e] for e in expected]
+    assert llm.llm_engine.scheduler.num_preemptions_total > 0
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, params)
+    engine.abort_request("a")  # the leader and its waiting sibling
+    engine.add_request("b", {"prompt_token_ids": prompts[1]}, params)
+    engine.engine_core.abort_requests(["0_b"])  # the leader alone: its sibling runs by itself
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache.num_free_blocks == 12
+    engine.kv_cache.check_invariants()
