@@ -8,10 +8,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.core import check_fits_cache
 from pagedserve.engine.core_client import CoreOutputs, EngineCoreClient, wait_readable
 from pagedserve.engine.input_processor import PromptType
-from pagedserve.engine.llm_engine import build_processors, check_child_ids_free, child_requests
+from pagedserve.engine.llm_engine import build_processors, register_request
 from pagedserve.errors import EngineDeadError, InvalidRequestError
 from pagedserve.metrics import EngineMetrics
 from pagedserve.outputs import RequestOutput
@@ -140,26 +139,21 @@ class AsyncLLMEngine:
         if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.start()
-        processed = self.input_processor.process(prompt, params)
-        num_prompt_tokens = len(processed.prompt_token_ids)
-        check_fits_cache(
-            num_prompt_tokens,
-            processed.max_tokens,
+        processed, children = register_request(
+            self.input_processor,
+            self.output_processor,
+            request_id,
+            prompt,
+            params,
             self.core.num_blocks,
             self.config.cache_config.block_size,
         )
-        children = child_requests(
-            request_id, processed.prompt_token_ids, processed.sampling_params, processed.max_tokens
-        )
-        check_child_ids_free(request_id, children, self.output_processor.child_to_parent)
-        self.core.send_add(children)
-        self.output_processor.add_request(
-            request_id,
-            processed.prompt,
-            processed.prompt_token_ids,
-            processed.sampling_params,
-            [child.request_id for child in children],
-        )
+        try:
+            self.core.send_add(children)
+        except BaseException:
+            self.output_processor.abort_request(request_id)
+            raise
+        num_prompt_tokens = len(processed.prompt_token_ids)
         stream = RequestStream(request_id)
         self.streams[request_id] = stream
         self.metrics.record_arrival(request_id, num_prompt_tokens, time.monotonic())

@@ -76,14 +76,14 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, max_model_len)
 
-    def check_fits_cache(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise InvalidRequestError when a request could never fit the whole KV cache."""
-        check_fits_cache(
-            num_prompt_tokens, max_tokens, self.num_blocks, self.config.cache_config.block_size
-        )
-
     def add_request(self, request: Request) -> None:
-        self.check_fits_cache(request.num_prompt_tokens, request.max_tokens)
+        """Queue a request. Raises InvalidRequestError if it could never fit the cache."""
+        check_fits_cache(
+            request.num_prompt_tokens,
+            request.max_tokens,
+            self.num_blocks,
+            self.config.cache_config.block_size,
+        )
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

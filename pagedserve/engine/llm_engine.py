@@ -5,8 +5,8 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.core import EngineCore
-from pagedserve.engine.input_processor import InputProcessor, PromptType
+from pagedserve.engine.core import EngineCore, check_fits_cache
+from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import RequestOutput
@@ -87,6 +87,40 @@ def check_child_ids_free(
             )
 
 
+def register_request(
+    input_processor: InputProcessor,
+    output_processor: OutputProcessor,
+    request_id: str,
+    prompt: PromptType,
+    params: SamplingParams,
+    num_blocks: int,
+    block_size: int,
+    arrival_time: float | None = None,
+) -> tuple[ProcessedPrompt, list[Request]]:
+    """The caller's side of adding a request, shared by LLMEngine and AsyncLLMEngine:
+    tokenize and validate, check that it can fit a cache of `num_blocks` blocks, make its
+    engine-core requests and register them with the output processor. Returns them, for the
+    caller to hand to the engine core. Raises InvalidRequestError (nothing registered)."""
+    processed = input_processor.process(prompt, params)
+    check_fits_cache(len(processed.prompt_token_ids), processed.max_tokens, num_blocks, block_size)
+    children = child_requests(
+        request_id,
+        processed.prompt_token_ids,
+        processed.sampling_params,
+        processed.max_tokens,
+        arrival_time,
+    )
+    check_child_ids_free(request_id, children, output_processor.child_to_parent)
+    output_processor.add_request(
+        request_id,
+        processed.prompt,
+        processed.prompt_token_ids,
+        processed.sampling_params,
+        [child.request_id for child in children],
+    )
+    return processed, children
+
+
 class LLMEngine:
     """Tokenizes requests, runs them on an in-process EngineCore and returns their outputs.
 
@@ -125,22 +159,15 @@ class LLMEngine:
         input, and when the request could never fit the whole KV cache."""
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        processed = self.input_processor.process(prompt, params)
-        self.engine_core.check_fits_cache(len(processed.prompt_token_ids), processed.max_tokens)
-        children = child_requests(
+        _, children = register_request(
+            self.input_processor,
+            self.output_processor,
             request_id,
-            processed.prompt_token_ids,
-            processed.sampling_params,
-            processed.max_tokens,
+            prompt,
+            params,
+            self.engine_core.num_blocks,
+            self.config.cache_config.block_size,
             arrival_time,
-        )
-        check_child_ids_free(request_id, children, self.output_processor.child_to_parent)
-        self.output_processor.add_request(
-            request_id,
-            processed.prompt,
-            processed.prompt_token_ids,
-            processed.sampling_params,
-            [child.request_id for child in children],
         )
         for child in children:
             self.engine_core.add_request(child)
