@@ -174,6 +174,8 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
+            if request.sampling_params.prompt_logprobs is None:
+                self.kv_cache.record_prefix_query(request, num_hit_tokens)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             plan.new_requests.append(

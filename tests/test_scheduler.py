@@ -219,3 +219,19 @@ def test_random_operations_keep_invariants(
         assert request.is_finished
         if request.status != RequestStatus.FINISHED_ABORTED:
             assert request.num_output_tokens >= 1
+
+
+def test_prefix_queries_count_once_per_admission() -> None:
+    """A request that waits for blocks looks its prefix up every step; the metrics count it
+    once, when it is admitted."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
+    first, second = make_request("a", 12, max_tokens=4), make_request("b", 8, max_tokens=4)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    for _ in range(3):
+        run_step(scheduler)
+        assert second.status == RequestStatus.WAITING  # no blocks left for it
+    assert scheduler.kv_cache.num_query_tokens == first.num_prompt_tokens
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert scheduler.kv_cache.num_query_tokens == first.num_prompt_tokens + 8

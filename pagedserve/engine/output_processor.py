@@ -41,6 +41,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     sequences: list[_SequenceState]
+    child_ids: list[str]  # engine-core request ids, one per sequence
     num_cached_tokens: int = 0
     # [None, then one entry per prompt token], filled chunk by chunk; None when not asked.
     prompt_logprobs: PromptLogprobs | None = None
@@ -97,18 +98,16 @@ class OutputProcessor:
             prompt_token_ids,
             params,
             sequences,
+            list(child_ids),
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
-
-    def child_ids(self, request_id: str) -> list[str]:
-        return [c for c, (parent, _) in self.child_to_parent.items() if parent == request_id]
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its engine-core ids still to abort."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
-        children = self.child_ids(request_id)
+        children = [c for c in state.child_ids if c in self.child_to_parent]  # still running
         for child_id in children:
             del self.child_to_parent[child_id]
         return children

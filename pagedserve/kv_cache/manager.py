@@ -29,7 +29,7 @@ class KVCacheManager:
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already in the index
         self.pending_copies: dict[str, tuple[int, int, int]] = {}  # see take_block_copy
-        # Counters for metrics: prefix-cache queries and hits, in tokens.
+        # Counters for metrics: prefix-cache queries and hits, in tokens (record_prefix_query).
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
 
@@ -57,10 +57,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.num_query_tokens += request.num_tokens
-        self.num_hit_tokens += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one lookup in the metrics, once the request is admitted (a request waiting
+        for blocks looks its prefix up again every step)."""
+        if self._is_cacheable(request):
+            self.num_query_tokens += request.num_tokens
+            self.num_hit_tokens += num_hit_tokens
 
     def allocate_slots(
         self,
