@@ -14,10 +14,10 @@ from pagedserve.step import (
     NewRequestData,
     PromptLogprobsData,
     SampleLogprobsData,
-    ScheduledRequest,
     SchedulerOutput,
 )
 from pagedserve.worker.cuda_graph import CudaGraphRunner
+from pagedserve.worker.dummy_steps import profiling_step, warm_up_steps
 from pagedserve.worker.input_batch import CachedRequestState, ModelInput, build_model_input
 from pagedserve.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from pagedserve.worker.sampling_metadata import SamplingMetadata, SamplingStateManager
@@ -133,7 +133,7 @@ class ModelRunner:
         num_reqs = max(num_tokens // seq_len, 1)
         num_profile_blocks = num_reqs * -(-seq_len // self.block_size)
         self._allocate_kv_cache(num_profile_blocks)
-        fake = _profiling_step(num_reqs, seq_len, self.block_size)
+        fake = profiling_step(num_reqs, seq_len, self.block_size)
         self.execute_model(fake)
         self.execute_model(SchedulerOutput([], [], {r.request_id for r in fake.new_requests}))
         torch.cuda.synchronize(self.device)
@@ -181,7 +181,7 @@ class ModelRunner:
         blocks_per_request = -(-(long_len + 2) // self.block_size)
         if long_len < 2 or 3 * blocks_per_request > num_blocks:
             return
-        for step in _warm_up_steps(long_len, self.block_size, blocks_per_request):
+        for step in warm_up_steps(long_len, self.block_size, blocks_per_request):
             self.execute_model(step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -329,21 +329,6 @@ def _to_runner_output(
     return ModelRunnerOutput(model_input.sampled_request_ids, sampled, logprobs, prompt_logprobs)
 
 
-def _profiling_step(num_reqs: int, seq_len: int, block_size: int) -> SchedulerOutput:
-    from pagedserve.sampling_params import SamplingParams
-
-    blocks_per_req = -(-seq_len // block_size)
-    new, scheduled = [], []
-    for i in range(num_reqs):
-        request_id = f"__profile_{i}"
-        new.append(
-            NewRequestData(request_id, seq_len, SamplingParams(temperature=1.0), [0] * seq_len)
-        )
-        block_ids = list(range(i * blocks_per_req, (i + 1) * blocks_per_req))
-        scheduled.append(ScheduledRequest(request_id, [0] * seq_len, 0, block_ids, True))
-    return SchedulerOutput(new, scheduled, set())
-
-
 def _available_ram_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -353,36 +338,3 @@ def _available_ram_bytes() -> int:
     except OSError:
         pass
     return 8 << 30
-
-
-def _warm_up_steps(
-    long_len: int, block_size: int, blocks_per_request: int
-) -> list[SchedulerOutput]:
-    """Three fake requests: a long prefill alone; then its decode beside a new prefill and a
-    one-token request (mixed launch, split-KV decode); then decodes only; then cleanup."""
-    from pagedserve.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0)
-    ids = ["__warm_up_0", "__warm_up_1", "__warm_up_2"]
-    blocks = [list(range(i * blocks_per_request, (i + 1) * blocks_per_request)) for i in range(3)]
-    short_len = min(long_len, 3 * block_size)
-    return [
-        SchedulerOutput(
-            [NewRequestData(ids[0], long_len, params, [1] * long_len)],
-            [ScheduledRequest(ids[0], [1] * long_len, 0, blocks[0], True)],
-        ),
-        SchedulerOutput(
-            [NewRequestData(ids[1], short_len, params, [1] * short_len),
-             NewRequestData(ids[2], 1, params, [1])],
-            [ScheduledRequest(ids[0], [1], long_len, [], True),
-             ScheduledRequest(ids[1], [1] * short_len, 0, blocks[1], True),
-             ScheduledRequest(ids[2], [1], 0, blocks[2], True)],
-        ),
-        SchedulerOutput(
-            [],
-            [ScheduledRequest(ids[0], [1], long_len + 1, [], True),
-             ScheduledRequest(ids[1], [1], short_len, [], True),
-             ScheduledRequest(ids[2], [1], 1, [], True)],
-        ),
-        SchedulerOutput([], [], set(ids)),
-    ]  # fmt: skip
