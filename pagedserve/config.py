@@ -88,11 +88,15 @@ class SchedulerConfig:
     max_num_seqs: most requests running at once.
     max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
     enable_chunked_prefill: split prompts longer than the remaining budget over several steps.
+    async_scheduling: schedule step N+1 while the device runs step N (vLLM's
+        `--async-scheduling`); a decode's input token is then the one step N samples, taken on
+        the device. None = on where it pays: one rank on a CUDA device.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

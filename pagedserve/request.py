@@ -69,6 +69,9 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens being sampled by steps in flight (async scheduling): scheduled past, but not
+        # in `all_token_ids` yet. 0 whenever the engine runs one step at a time.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -92,7 +95,8 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_computed_tokens
+        """Tokens to feed the model, counting in-flight ones (placeholders) as known."""
+        return len(self.all_token_ids) + self.num_output_placeholders - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:

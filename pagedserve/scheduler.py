@@ -8,6 +8,7 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.request import FINISH_REASONS, Request, RequestStatus
 from pagedserve.step import (
+    PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
     NewRequestData,
     PromptLogprobsData,
@@ -67,6 +68,9 @@ class Scheduler:
         self.num_scheduled_tokens_total = 0  # tokens fed to the model (prefix hits excluded)
         # Parallel sampling: siblings waiting for their leader's prompt (leader id -> them).
         self.pending_forks: dict[str, list[Request]] = {}
+        # Unfinished requests whose sampling reads their past output tokens on the host
+        # (penalties, bad words): async scheduling waits for each step while there are any.
+        self._num_needing_tokens = 0
 
     @property
     def num_running(self) -> int:
@@ -79,12 +83,20 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the step in flight returns its
+        tokens: no unfinished request's sampling needs its output tokens on the host."""
+        return self._num_needing_tokens == 0
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self._num_needing_tokens += _needs_output_tokens(request)
         leader = self.requests.get(request.fork_of) if request.fork_of else None
-        if leader is not None and leader.num_output_tokens == 0:
+        # Siblings fork at the step where the leader's prompt ends: not yet launched.
+        if leader is not None and leader.num_output_tokens + leader.num_output_placeholders == 0:
             self.pending_forks.setdefault(leader.request_id, []).append(request)
         else:
             self.waiting.append(request)
@@ -118,12 +130,19 @@ class Scheduler:
         for request, num_new_tokens, new_block_ids in plan.scheduled:
             start = request.num_computed_tokens
             request.num_computed_tokens += num_new_tokens
-            sample = request.num_computed_tokens == request.num_tokens
+            token_ids = request.all_token_ids[start : start + num_new_tokens]
+            if len(token_ids) < num_new_tokens:  # the token the step in flight samples
+                token_ids.append(PLACEHOLDER_TOKEN_ID)
+            sample = request.num_computed_tokens == (
+                request.num_tokens + request.num_output_placeholders
+            )
+            if sample:
+                request.num_output_placeholders += 1
             forks = self._fork_siblings(request, plan) if sample else ()
             scheduled_requests.append(
                 ScheduledRequest(
                     request_id=request.request_id,
-                    token_ids=request.all_token_ids[start : start + num_new_tokens],
+                    token_ids=token_ids,
                     num_computed_tokens=start,
                     new_block_ids=new_block_ids,
                     sample=sample,
@@ -140,7 +159,7 @@ class Scheduler:
         while i < len(self.running) and plan.token_budget > 0:
             request = self.running[i]
             num_new_tokens = min(request.num_uncomputed_tokens, plan.token_budget)
-            if num_new_tokens == 0:  # waits for a token of the step in flight
+            if num_new_tokens == 0 or self._ends_in_flight(request):
                 i += 1
                 continue
             while (new_block_ids := self.kv_cache.allocate_slots(request, num_new_tokens)) is None:
@@ -157,6 +176,8 @@ class Scheduler:
             self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.num_output_placeholders:  # preempted with a token in flight
+                return
             hits, num_hit_tokens = (
                 self.kv_cache.get_computed_blocks(request)
                 if request.sampling_params.prompt_logprobs is None
@@ -193,7 +214,8 @@ class Scheduler:
         its block table (shared by reference count) and sample their first token from its
         logits. Without room in `max_num_seqs` they run as plain requests instead."""
         siblings = self.pending_forks.pop(leader.request_id, [])
-        if not siblings or leader.num_output_tokens > 0:
+        # The leader's first sample is the one this step adds (placeholders counts it).
+        if not siblings or leader.num_output_tokens + leader.num_output_placeholders > 1:
             self.waiting.extend(siblings)
             return ()
         if len(self.running) + len(siblings) > self.config.max_num_seqs:
@@ -204,6 +226,7 @@ class Scheduler:
             self.waiting.extend(self.pending_forks.pop(sibling.request_id, []))
             self.kv_cache.fork(leader, sibling)
             sibling.num_computed_tokens = leader.num_computed_tokens
+            sibling.num_output_placeholders = 1  # samples in this step, from the leader's row
             sibling.num_cached_tokens = max(leader.num_cached_tokens, 0)
             sibling.status = RequestStatus.RUNNING
             self.running.append(sibling)
@@ -216,6 +239,15 @@ class Scheduler:
                 )
             )
         return tuple(sibling.request_id for sibling in siblings)
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """The token the step in flight samples for `request` is its last (length limits),
+        so there is nothing to schedule after it."""
+        pending = request.num_output_placeholders
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.max_model_len
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
@@ -238,12 +270,19 @@ class Scheduler:
             strict=True,
         ):
             request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if request is None:
+                continue  # finished while the step ran (abort, stop string, or a stop token
+                # sampled by the step before, with async scheduling)
+            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
+            # A request preempted after this step was launched (async scheduling) still
+            # keeps the token: its recomputation starts from all its tokens.
             request.append_output_token_ids([token_id])
             status = self._check_stop(request, token_id)
             if status is not None:
-                self.running.remove(request)
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
                 request.status = status
                 self._free(request)
             outputs.append(
@@ -280,6 +319,13 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)
         del self.requests[request.request_id]
+        request.num_output_placeholders = 0  # a token still in flight for it is dropped
+        self._num_needing_tokens -= _needs_output_tokens(request)
         self._finished_ids.add(request.request_id)
         # Siblings still waiting for this request compute their own prompt instead.
         self.waiting.extend(self.pending_forks.pop(request.request_id, []))
+
+
+def _needs_output_tokens(request: Request) -> bool:
+    params = request.sampling_params
+    return params.uses_penalties or bool(params.bad_words_token_ids)

@@ -20,6 +20,11 @@ class NewRequestData:
     prompt_token_ids: list[int]
 
 
+# Stands in `ScheduledRequest.token_ids` for the token that the step in flight samples (async
+# scheduling); the worker puts that step's sampled token there, on the device.
+PLACEHOLDER_TOKEN_ID = -1
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     """One request's work in this step.
@@ -31,7 +36,7 @@ class ScheduledRequest:
     """
 
     request_id: str
-    token_ids: list[int]  # the tokens fed to the model this step
+    token_ids: list[int]  # the tokens fed to the model this step; the last may be a placeholder
     num_computed_tokens: int  # before this step
     new_block_ids: list[int]
     sample: bool

@@ -10,7 +10,7 @@ from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
-from pagedserve.step import ModelRunnerOutput, SchedulerOutput
+from pagedserve.step import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 
 
 def make_scheduler(
@@ -159,7 +159,35 @@ def test_prefix_hit_in_the_same_step() -> None:
     assert steps["b"].new_block_ids[:2] == steps["a"].new_block_ids[:2]
 
 
-@settings(max_examples=60, deadline=None)
+class FakeModel:
+    """Samples random tokens, and records which token each request was fed at each position
+    (a placeholder resolved to what the previous step sampled for it, as the worker does)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.last_sampled: dict[str, int] = {}
+        self.fed: dict[str, dict[int, int]] = {}
+
+    def run(self, out: SchedulerOutput, low: int = 0) -> ModelRunnerOutput:
+        for r in out.scheduled_requests:
+            fed = self.fed.setdefault(r.request_id, {})
+            for i, token in enumerate(r.token_ids):
+                if token == PLACEHOLDER_TOKEN_ID:
+                    assert i == r.num_new_tokens - 1, "only the newest token can be in flight"
+                    token = self.last_sampled[r.request_id]
+                fed[r.num_computed_tokens + i] = token
+        sampled = [
+            request_id
+            for r in out.scheduled_requests
+            if r.sample
+            for request_id in (r.request_id, *r.fork_request_ids)
+        ]
+        tokens = [self.rng.randrange(low, 100) for _ in sampled]
+        self.last_sampled = dict(zip(sampled, tokens, strict=True))
+        return ModelRunnerOutput(sampled, tokens, [None] * len(sampled))
+
+
+@settings(max_examples=80, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
     num_blocks=st.integers(8, 40),
@@ -167,15 +195,44 @@ def test_prefix_hit_in_the_same_step() -> None:
     budget=st.integers(1, 48),
     max_num_seqs=st.integers(1, 6),
     caching=st.booleans(),
+    pipelined=st.booleans(),
 )
 def test_random_operations_keep_invariants(
-    seed: int, num_blocks: int, block_size: int, budget: int, max_num_seqs: int, caching: bool
+    seed: int,
+    num_blocks: int,
+    block_size: int,
+    budget: int,
+    max_num_seqs: int,
+    caching: bool,
+    pipelined: bool,
 ) -> None:
     """Random add / step / abort sequences: invariants hold after every operation, every
-    request ends, and at the end every block is free."""
+    request ends, and at the end every block is free. `pipelined` runs the steps as async
+    scheduling does (schedule step N+1 before applying step N's tokens, as EngineCore.step);
+    every request must still have been fed exactly its own tokens at every position."""
     rng = random.Random(seed)
     max_model_len = num_blocks * block_size
     scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, budget, max_model_len, caching)
+    model = FakeModel(rng)
+    in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+
+    def step(low: int = 0) -> None:
+        if not pipelined:
+            out = scheduler.schedule()
+            scheduler.update_from_output(out, model.run(out, low))
+            return
+        out = scheduler.schedule()
+        if not out.is_empty:
+            launched = model.run(out, low)
+        while in_flight:
+            scheduler.update_from_output(*in_flight.pop())
+        if not out.is_empty:
+            in_flight.append((out, launched))
+        for request in scheduler.requests.values():
+            assert request.num_output_placeholders == (
+                request.request_id in model.last_sampled and bool(in_flight)
+            )
+
     prefixes = [[rng.randrange(100) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
     requests: list[Request] = []
     for op in range(60):
@@ -205,20 +262,25 @@ def test_random_operations_keep_invariants(
         elif choice < 0.4 and requests:
             scheduler.abort_requests([rng.choice(requests).request_id])
         else:
-            run_step(scheduler, token=rng.randrange(100))
+            step()
         scheduler.kv_cache.check_invariants()
         assert len(scheduler.running) <= max_num_seqs
     for _ in range(2000):
-        if not scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_requests() and not in_flight:
             break
-        run_step(scheduler, token=rng.randrange(1, 100))
+        step(low=1)
         scheduler.kv_cache.check_invariants()
-    assert not scheduler.has_unfinished_requests()
+    assert not scheduler.has_unfinished_requests() and not in_flight
     assert scheduler.kv_cache.num_free_blocks == num_blocks
     for request in requests:
         assert request.is_finished
+        assert request.num_output_placeholders == 0
         if request.status != RequestStatus.FINISHED_ABORTED:
             assert request.num_output_tokens >= 1
+            assert request.num_output_tokens <= request.max_tokens
+        for position, token in model.fed.get(request.request_id, {}).items():
+            if position < request.num_tokens:
+                assert request.all_token_ids[position] == token
 
 
 def test_prefix_queries_count_once_per_admission() -> None:

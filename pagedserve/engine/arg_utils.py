@@ -43,6 +43,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     distributed_timeout_s: float = 300.0
@@ -99,6 +100,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -172,6 +174,8 @@ _FLAG_HELP = {
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one engine step",
     "enable_chunked_prefill": "split long prompts over several steps",
+    "async_scheduling": "schedule the next step while the device runs this one (default: on "
+    "for one rank on a CUDA device)",
     "tensor_parallel_size": "number of tensor-parallel ranks",
     "distributed_executor_backend": "uni, mp or ray (default: uni for one rank, else mp)",
     "distributed_timeout_s": "seconds a collective or a worker's reply may take before the "
@@ -195,7 +199,7 @@ def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
         help_text = _FLAG_HELP.get(f.name, "")
         if "default" not in help_text:
             help_text += " (default: %(default)s)"
-        if isinstance(default, bool):
+        if isinstance(default, bool) or "bool" in str(f.type):
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )

@@ -12,7 +12,9 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.kv_cache.manager import KVCacheManager, cdiv
 from pagedserve.request import Request, RequestStatus
 from pagedserve.scheduler import EngineCoreOutput, Scheduler
-from pagedserve.worker.executor import create_executor
+from pagedserve.step import SchedulerOutput
+from pagedserve.worker.executor import Executor, create_executor
+from pagedserve.worker.model_runner import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,11 @@ class EngineCore:
             num_blocks, block_size, config.cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, max_model_len)
+        self.async_scheduling = _resolve_async_scheduling(
+            config.scheduler_config.async_scheduling, self.executor
+        )
+        # Async scheduling: the step launched last, whose tokens are not applied yet.
+        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises InvalidRequestError if it could never fit the cache."""
@@ -93,10 +100,40 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        """Run one scheduling step and model forward; return the tokens it produced."""
+        """Run one scheduling step and model forward; return the tokens it produced.
+
+        With async scheduling, a step launches step N+1 first and then returns the tokens of
+        step N, so the host's scheduling and input preparation for N+1 overlap the device's
+        work on N. Stop conditions are then applied one step late: a request that stops at N
+        may already be in N+1, whose token for it is dropped.
+        """
+        if not self.async_scheduling:
+            return self._step_sync()
+        outputs = []
+        if self._in_flight is not None and not self.scheduler.can_schedule_ahead:
+            outputs = self._finish_in_flight()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            if scheduler_output.finished_request_ids:  # let workers drop finished state
+                self.executor.execute_model(scheduler_output)
+            return outputs + self._finish_in_flight()
+        launched = self.executor.execute_model_async(scheduler_output)
+        outputs += self._finish_in_flight()
+        self._in_flight = (scheduler_output, launched)
+        return outputs
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight and apply its tokens."""
+        if self._in_flight is None:
+            return []
+        scheduler_output, launched = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(scheduler_output, launched.result())
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.finished_request_ids:  # let workers drop finished state
@@ -117,3 +154,16 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _resolve_async_scheduling(wanted: bool | None, executor: Executor) -> bool:
+    """`async_scheduling` None means on where it pays (one rank on a CUDA device). Raises
+    ValueError when asked for where the executor cannot do it."""
+    if wanted and not executor.supports_async_scheduling:
+        raise ValueError(
+            "async_scheduling needs tensor_parallel_size 1 (the single-process executor); "
+            "turn it off for tensor parallelism"
+        )
+    if wanted is None:
+        return executor.supports_async_scheduling and executor.device_type == "cuda"
+    return wanted

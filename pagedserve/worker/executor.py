@@ -7,6 +7,8 @@ there are:
     block_bytes             bytes of one KV block on one rank
     initialize_cache(n)     allocate n blocks on every rank
     execute_model(step)     run one SchedulerOutput on every rank; rank 0's sampled tokens
+    execute_model_async(step)  the same, returning before the device is done (where
+                            `supports_async_scheduling`; else it waits, then returns)
     shutdown()              stop the workers (idempotent)
 
 `create_executor` picks one from `ParallelConfig.executor_backend`.
@@ -17,11 +19,16 @@ from typing import Any, Protocol
 
 from pagedserve.config import EngineConfig
 from pagedserve.step import ModelRunnerOutput, SchedulerOutput
-from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 
 
 class Executor(Protocol):
     """What EngineCore needs from the workers (see the module docstring)."""
+
+    # Whether the next step may be launched before this one's tokens are back (the ranks
+    # take the placeholder tokens from their own last sample), and the device type there.
+    supports_async_scheduling: bool
+    device_type: str
 
     @property
     def block_bytes(self) -> int: ...
@@ -31,6 +38,8 @@ class Executor(Protocol):
     def initialize_cache(self, num_blocks: int) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
 
@@ -60,6 +69,8 @@ class UniprocExecutor:
             )
         self.runner = ModelRunner(config)
         self.runner.load_model()
+        self.supports_async_scheduling = True
+        self.device_type = self.runner.device.type
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -74,6 +85,9 @@ class UniprocExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        return self.runner.execute_model_async(scheduler_output)
+
     def shutdown(self) -> None:
         pass
 
@@ -86,6 +100,9 @@ class RankGroupExecutor(ABC):
     rank; rank 0's answer is the step's output. Subclasses say how a call reaches the ranks."""
 
     timeout_s: float
+    # Ranks other than 0 do not see rank 0's sampled tokens, so steps run one at a time.
+    supports_async_scheduling = False
+    device_type = "unknown"
 
     @abstractmethod
     def _call(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
@@ -105,3 +122,6 @@ class RankGroupExecutor(ABC):
             "execute_model", scheduler_output, timeout_s=self.timeout_s
         )[0]
         return output
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        return AsyncModelRunnerOutput(self.execute_model(scheduler_output))

@@ -7,7 +7,7 @@ import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import SchedulerOutput
+from pagedserve.step import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -31,6 +31,10 @@ class ModelInput:
     logits_indices: torch.Tensor  # [num_sampled] int64, last token of each sampled request
     sampled_request_ids: list[str]
     sampled_seq_lens: list[int]  # seq_len of each sampled request (tokens incl. this step)
+    # Async scheduling: where input_ids holds PLACEHOLDER_TOKEN_ID (the previous step's
+    # sampled token goes there, on the device) and whose token each one is.
+    placeholder_positions: torch.Tensor  # [num_placeholders] int64, CPU
+    placeholder_request_ids: list[str]
 
 
 def build_model_input(
@@ -77,6 +81,9 @@ def build_model_input(
                 sampled_request_ids.append(request_id)
     logits_indices = query_start_loc[1:][sampled_rows].astype(np.int64) - 1
 
+    placeholders = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN_ID)
+    placeholder_request_ids = [scheduled[i].request_id for i in req_indices[placeholders]]
+
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
@@ -99,4 +106,6 @@ def build_model_input(
         logits_indices=to_device(logits_indices),
         sampled_request_ids=sampled_request_ids,
         sampled_seq_lens=[int(seq_lens[i]) for i in sampled_rows],
+        placeholder_positions=torch.from_numpy(placeholders.astype(np.int64)),
+        placeholder_request_ids=placeholder_request_ids,
     )

@@ -58,6 +58,33 @@ def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.d
     return config_dtype
 
 
+class AsyncModelRunnerOutput:
+    """A step's ModelRunnerOutput, which may still be on its way from the device.
+
+    `result()` waits for the step's device->host copy (a CUDA event), then builds the output
+    on the host. Mirrors vLLM's AsyncModelRunnerOutput.
+    """
+
+    def __init__(
+        self,
+        output: ModelRunnerOutput | None,
+        build: Callable[[], ModelRunnerOutput] | None = None,
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
+        self._output = output
+        self._build = build
+        self._ready = ready
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            assert self._build is not None
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._output = self._build()
+            self._build = None
+        return self._output
+
+
 class ModelRunner:
     """Runs the model for a SchedulerOutput and returns the sampled tokens.
 
@@ -79,6 +106,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling_states = SamplingStateManager(_vocab_size(config), self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
+        # The last step's sampled tokens on the device ([num_sampled] int64) and each sampled
+        # request's row in them: the source of the next step's placeholder tokens.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
         self.backend = get_attention_backend(config.device_config.attention_backend, self.device)
 
     def load_model(self) -> None:
@@ -203,12 +234,22 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled tokens."""
+        return self.execute_model_async(scheduler_output).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch one step: the forward, the sampler, and the copy of the sampled tokens to
+        pinned host memory, without waiting for the device. The next step may then be launched
+        before this one's tokens reach the host: its placeholder tokens
+        (`PLACEHOLDER_TOKEN_ID`) are taken from this step's sampled tokens on the device."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput([], [], [])
+            return AsyncModelRunnerOutput(ModelRunnerOutput([], [], []))
         model_input = build_model_input(scheduler_output, self.states, self.block_size, self.device)
+        if model_input.placeholder_request_ids:
+            self._fill_placeholders(model_input)
         assert self.model is not None
         attn_metadata = model_input.attn_metadata
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(
@@ -221,11 +262,29 @@ class ModelRunner:
             hidden_states = self.model(model_input.input_ids, model_input.positions, attn_metadata)
         prompt_logprobs = self._prompt_logprobs(hidden_states, scheduler_output, model_input)
         if not model_input.sampled_request_ids:
-            return ModelRunnerOutput([], [], [], prompt_logprobs)
+            return AsyncModelRunnerOutput(ModelRunnerOutput([], [], [], prompt_logprobs))
         logits = self._compute_logits(hidden_states[model_input.logits_indices])
         metadata = self._sampling_metadata(model_input)
         sampler_output = self.sampler.forward(logits, metadata)
-        return _to_runner_output(model_input, sampler_output, metadata, prompt_logprobs)
+        self._prev_sampled = sampler_output.sampled_token_ids
+        self._prev_rows = {r: i for i, r in enumerate(model_input.sampled_request_ids)}
+        host_output, ready = _copy_to_host(sampler_output)
+        return AsyncModelRunnerOutput(
+            None,
+            lambda: _to_runner_output(model_input, host_output, metadata, prompt_logprobs),
+            ready,
+        )
+
+    def _fill_placeholders(self, model_input: ModelInput) -> None:
+        """Put the tokens the previous step sampled where this step feeds placeholders."""
+        rows = [self._prev_rows.get(r, -1) for r in model_input.placeholder_request_ids]
+        if self._prev_sampled is None or min(rows) < 0:
+            raise RuntimeError(
+                "a step feeds a placeholder token that the previous step did not sample"
+            )
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        positions = model_input.placeholder_positions.to(self.device, non_blocking=True)
+        model_input.input_ids[positions] = self._prev_sampled[rows_t]
 
     def _compute_logits(
         self,
@@ -307,6 +366,30 @@ class ModelRunner:
 
 def _vocab_size(config: EngineConfig) -> int:
     return int(config.model_config.hf_config.vocab_size)
+
+
+def _copy_to_host(out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+    """Start copying the sampler's tensors to pinned host memory, behind the step's kernels
+    on the current stream; the event marks the copy's end. On the CPU, nothing to do."""
+    if out.sampled_token_ids.device.type != "cuda":
+        return out, None
+
+    def to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+    host_out = SamplerOutput(
+        sampled_token_ids=to_host(out.sampled_token_ids),  # type: ignore[arg-type]
+        logprob_token_ids=to_host(out.logprob_token_ids),
+        logprobs=to_host(out.logprobs),
+        sampled_ranks=to_host(out.sampled_ranks),
+    )
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record()
+    return host_out, ready
 
 
 def _to_runner_output(

@@ -38,7 +38,8 @@ def test_gpu_greedy_equals_cpu(name: str) -> None:
     if not Path(model).is_dir():
         pytest.skip(f"{model} not found; set PAGEDSERVE_TEST_MODELS")
     cpu = generate(model, device="cpu")
-    assert generate(model, device="cuda", attention_backend="triton") == cpu
+    assert generate(model, device="cuda", attention_backend="triton") == cpu  # async scheduling
+    assert generate(model, device="cuda", attention_backend="triton", async_scheduling=False) == cpu
     assert generate(model, device="cuda", attention_backend="triton", enforce_eager=True) == cpu
     assert generate(model, device="cuda", attention_backend="torch") == cpu
 
@@ -98,3 +99,68 @@ def test_cuda_graph_replay_equals_eager(tmp_path: Path) -> None:
             assert a in logprobs and b in logprobs, "diverged at a token that is not a tie"
             assert abs(logprobs[a].logprob - logprobs[b].logprob) < 1e-3
     assert num_identical >= 3
+
+
+def test_no_triton_compile_after_start_up(tmp_path: Path) -> None:
+    """Start-up (graph capture and warm-up) compiles every Triton kernel variant the engine
+    uses: a workload of ragged mixed steps (many batch sizes and block-table widths) compiles
+    nothing more. A compile in the middle of serving stalls the GPU for about 0.3 s."""
+    import random
+
+    import torch
+    import transformers
+
+    from pagedserve.attention.kernels.paged_attention import (
+        combine_splits_kernel,
+        paged_attention_kernel,
+    )
+    from pagedserve.attention.kernels.store_kv import store_kv_kernel
+    from pagedserve.layers.kernels import fused_ops
+
+    kernels = [
+        paged_attention_kernel,
+        combine_splits_kernel,
+        store_kv_kernel,
+        fused_ops._rms_norm_kernel,
+        fused_ops._silu_and_mul_kernel,
+        fused_ops._rotary_kernel,
+    ]
+
+    def num_variants() -> int:
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    llm = LLM(
+        str(tmp_path),
+        dtype="float16",
+        device="cuda",
+        skip_tokenizer_init=True,
+        max_model_len=2048,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+    )
+    after_start_up = num_variants()
+    assert after_start_up > 0
+    rng = random.Random(0)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randint(1, 700))]}
+        for _ in range(100)
+    ]
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=rng.randint(1, 200), ignore_eos=True, detokenize=False
+        )
+        for _ in prompts
+    ]
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    assert num_variants() == after_start_up

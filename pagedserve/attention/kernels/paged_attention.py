@@ -114,7 +114,12 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+# Values that change from step to step are not specialised on (Triton would otherwise compile
+# a variant per divisibility-by-16 class of each, in the middle of serving).
+_STEP_VARYING = ["num_reqs", "query_len_lo", "query_len_hi", "stride_block_tables"]
+
+
+@triton.jit(do_not_specialize=_STEP_VARYING)
 def paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     partial_acc_ptr,  # [num_reqs, num_kv_heads, num_splits, BLOCK_M, HEAD_DIM_PAD] fp32
@@ -232,7 +237,7 @@ def paged_attention_kernel(
         tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "query_len_lo", "query_len_hi"])
 def combine_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     partial_acc_ptr,  # [num_reqs, num_kv_heads, num_splits, BLOCK_M, HEAD_DIM_PAD] fp32
