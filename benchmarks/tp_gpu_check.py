@@ -8,10 +8,10 @@ Stages (each prints one JSON line; the exit code is 1 if an equality check fails
               the bundled stories260k (real weights) and on tiny random Llama-GQA (2 KV heads),
               Llama-MQA (1 KV head < tp_size), Qwen3 and GPT-2 models saved at run time; bf16
               agreement is reported, not asserted (rounding may flip near-ties).
-  throughput  benchmarks/throughput.py --preset llama-3.1-8b (dummy bf16 weights, 128/128) at
-              tensor_parallel_size 1 and 2.
+  throughput  benchmarks/throughput.py --preset llama-3.1-8b (dummy bf16 weights, 128/128,
+              2,000 prompts, max_num_seqs 512: issue 5's P2) at tensor_parallel_size 1 and 2.
   70b         benchmarks/throughput.py --preset llama-2-70b in bf16 (~138 GB of weights: does
-              not fit one GPU) at tensor_parallel_size 2.
+              not fit one GPU), 128/128, --num-prompts (256) at tensor_parallel_size 2.
 """
 
 import argparse
@@ -76,6 +76,7 @@ def greedy(model: Path, tp_size: int, dtype: str, device: str) -> list[list[int]
         skip_tokenizer_init=True,
         kv_cache_memory_bytes=1 << 28,
         max_model_len=256,
+        max_num_seqs=32,  # 32 prompts; fewer CUDA graphs to capture per engine
     ) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
@@ -158,11 +159,12 @@ def main() -> None:
     ok = True
     if "equality" in args.stages:
         ok = stage_equality(args.device)
-    common = ["--num-prompts", str(args.num_prompts), "--max-model-len", "2048"]
     if "throughput" in args.stages:
+        p2 = ["--num-prompts", "2000", "--max-model-len", "512", "--max-num-seqs", "512"]
         for tp_size in (1, 2):
-            run_throughput("llama-3.1-8b", tp_size, common)
+            run_throughput("llama-3.1-8b", tp_size, p2)
     if "70b" in args.stages:
+        common = ["--num-prompts", str(args.num_prompts), "--max-model-len", "2048"]
         run_throughput("llama-2-70b", 2, common)
     raise SystemExit(0 if ok else 1)
 

@@ -28,3 +28,14 @@ def tensor_model_parallel_all_gather(
     shards = [torch.empty_like(x) for _ in range(tp_size)]
     dist.all_gather(shards, x)
     return torch.cat(shards, dim=dim)
+
+
+def tensor_model_parallel_broadcast(
+    x: torch.Tensor,  # any shape and dtype; the same shape on every rank
+    src: int = 0,
+) -> torch.Tensor:  # x, overwritten with rank `src`'s values
+    """Give every rank rank `src`'s `x` (in place)."""
+    if get_tp_size() == 1:
+        return x
+    dist.broadcast(x, src)
+    return x

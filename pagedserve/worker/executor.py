@@ -100,9 +100,11 @@ class RankGroupExecutor(ABC):
     rank; rank 0's answer is the step's output. Subclasses say how a call reaches the ranks."""
 
     timeout_s: float
-    # Ranks other than 0 do not see rank 0's sampled tokens, so steps run one at a time.
-    supports_async_scheduling = False
-    device_type = "unknown"
+    supports_async_scheduling = True
+    device_type: str  # of the ranks' devices
+    # Async scheduling: the output of the step launched last, which the ranks send back with
+    # the reply to the next launch (or to "finish_pending").
+    _unanswered: "_RankGroupOutput | None" = None
 
     @abstractmethod
     def _call(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
@@ -124,4 +126,40 @@ class RankGroupExecutor(ABC):
         return output
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
-        return AsyncModelRunnerOutput(self.execute_model(scheduler_output))
+        """Every rank launches the step, then waits for its previous one: the reply carries
+        the previous step's output, which goes to that step's handle."""
+        previous: ModelRunnerOutput | None = self._call(
+            "execute_model_async", scheduler_output, timeout_s=self.timeout_s
+        )[0]
+        if self._unanswered is not None:
+            assert previous is not None
+            self._unanswered.set(previous)
+        self._unanswered = _RankGroupOutput(self)
+        return self._unanswered
+
+    def finish_pending(self) -> None:
+        """Collect the output of the step launched last (no later launch will carry it)."""
+        output: ModelRunnerOutput | None = self._call("finish_pending", timeout_s=self.timeout_s)[0]
+        if self._unanswered is not None:
+            assert output is not None
+            self._unanswered.set(output)
+            self._unanswered = None
+
+
+class _RankGroupOutput(AsyncModelRunnerOutput):
+    """A multi-rank step's output: it arrives with the reply to the next launch, or is asked
+    for with "finish_pending" when `result()` comes first."""
+
+    def __init__(self, executor: RankGroupExecutor) -> None:
+        super().__init__(None)
+        self._executor: RankGroupExecutor | None = executor
+
+    def set(self, output: ModelRunnerOutput) -> None:
+        self._output, self._executor = output, None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            assert self._executor is not None
+            self._executor.finish_pending()
+        assert self._output is not None
+        return self._output

@@ -7,6 +7,7 @@ import torch
 
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.config import EngineConfig
+from pagedserve.distributed.comm import tensor_model_parallel_broadcast
 from pagedserve.layers.attention import Attention
 from pagedserve.models.loader import load_model
 from pagedserve.step import (
@@ -266,6 +267,9 @@ class ModelRunner:
         logits = self._compute_logits(hidden_states[model_input.logits_indices])
         metadata = self._sampling_metadata(model_input)
         sampler_output = self.sampler.forward(logits, metadata)
+        # Every rank feeds rank 0's tokens at the next step's placeholders (random draws
+        # are not guaranteed equal across ranks).
+        tensor_model_parallel_broadcast(sampler_output.sampled_token_ids)
         self._prev_sampled = sampler_output.sampled_token_ids
         self._prev_rows = {r: i for i, r in enumerate(model_input.sampled_request_ids)}
         host_output, ready = _copy_to_host(sampler_output)

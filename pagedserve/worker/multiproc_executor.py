@@ -45,6 +45,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import get_open_port
 from pagedserve.errors import EngineDeadError
 from pagedserve.worker.executor import STARTUP_TIMEOUT_S, RankGroupExecutor
+from pagedserve.worker.model_runner import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class MultiprocExecutor(RankGroupExecutor):
         parallel_config = config.parallel_config
         self.timeout_s = parallel_config.distributed_timeout_s
         self.dead_reason: str | None = None
+        self.device_type = resolve_device(config.device_config.device).type
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         context = _start_context(config)
         # Never written: its reader sees EOF when the engine's process ends.

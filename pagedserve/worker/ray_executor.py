@@ -73,6 +73,7 @@ class RayExecutor(RankGroupExecutor):
         self.dead_reason: str | None = None
         self.actors: list[Any] = []
         bundle = self._bundle(ray, config.device_config.device)
+        self.device_type = "cuda" if "GPU" in bundle else "cpu"
         self.placement_group = placement_group([dict(bundle)] * tp_size, strategy="PACK")
         try:
             ray.get(self.placement_group.ready(), timeout=_PLACEMENT_TIMEOUT_S)

@@ -11,7 +11,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import destroy_distributed, init_distributed
 from pagedserve.step import ModelRunnerOutput, SchedulerOutput
-from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 
 
 def worker_device(device: str, local_rank: int, tp_size: int) -> torch.device:
@@ -64,6 +64,7 @@ class Worker:
         )
         self.runner = ModelRunner(config, device)
         self.runner.load_model()
+        self._pending: AsyncModelRunnerOutput | None = None  # launched, output not taken
 
     @property
     def block_bytes(self) -> int:
@@ -80,6 +81,24 @@ class Worker:
         """Run one step; rank 0 returns the sampled tokens, the other ranks None (they need
         no tokens of their own: the next SchedulerOutput carries every token to feed)."""
         output = self.runner.execute_model(scheduler_output)
+        return output if self.rank == 0 else None
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch this step, then wait for the previous launched step and return its output
+        (rank 0; None on the other ranks, or when no step was pending). The engine thus gets
+        step N's tokens while the device already runs step N+1."""
+        previous, self._pending = self._pending, self.runner.execute_model_async(scheduler_output)
+        if previous is None:
+            return None
+        output = previous.result()
+        return output if self.rank == 0 else None
+
+    def finish_pending(self) -> ModelRunnerOutput | None:
+        """Wait for the launched step, if any; its output on rank 0."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        output = pending.result()
         return output if self.rank == 0 else None
 
     def shutdown(self) -> None:

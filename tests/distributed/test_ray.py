@@ -53,6 +53,15 @@ def test_ray_tensor_parallel_matches_single_rank(
     assert ray.available_resources().get("CPU") == 4  # actors and placement group released
 
 
+def test_ray_async_scheduling_matches_single_rank() -> None:
+    path = SHARED_MODELS / "stories260k"
+    expected = greedy_outputs(path)
+    got = greedy_outputs(
+        path, tensor_parallel_size=2, distributed_executor_backend="ray", async_scheduling=True
+    )
+    assert_same_outputs(got, expected)
+
+
 def test_killed_ray_worker_fails_generation() -> None:
     llm = LLM(
         str(SHARED_MODELS / "stories260k"),

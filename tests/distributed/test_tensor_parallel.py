@@ -41,6 +41,36 @@ def test_tensor_parallel_matches_single_rank(
     assert_same_outputs(got, expected)
 
 
+@pytest.mark.parametrize("name", ["llama_gqa", "stories260k"])
+def test_async_scheduling_matches_single_rank(name: str, model_paths: dict[str, Path]) -> None:
+    """With async scheduling the ranks launch step N+1 before returning step N's tokens and
+    feed rank 0's sampled tokens (broadcast) at the placeholders: same greedy outputs; and
+    seeded sampling equals the same engine run one step at a time (unseeded draws depend on
+    the batch, which async scheduling changes: a stopping request rides one extra step)."""
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    expected = greedy_outputs(model_paths[name])
+    got = greedy_outputs(model_paths[name], tensor_parallel_size=2, async_scheduling=True)
+    assert_same_outputs(got, expected)
+
+    from ._helpers import engine_options, prompts_for
+
+    params = SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=12, ignore_eos=True)
+    sampled = []
+    for async_scheduling in (False, True):
+        with LLM(
+            str(model_paths[name]),
+            **engine_options(model_paths[name]),
+            tensor_parallel_size=2,
+            async_scheduling=async_scheduling,
+        ) as llm:
+            engine: LLMEngine = llm.llm_engine
+            assert engine.engine_core.async_scheduling == async_scheduling
+            outputs = llm.generate(prompts_for(model_paths[name]), params, use_tqdm=False)
+        sampled.append([o.outputs[0].token_ids for o in outputs])
+    assert sampled[0] == sampled[1]
+
+
 def test_context_manager_stops_workers_cleanly(model_paths: dict[str, Path]) -> None:
     """Leaving `with LLM(...)` ends every worker with exit code 0 (a graceful goodbye)."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
