@@ -44,7 +44,7 @@ DEVICE = "cuda"
 
 def _commit() -> str:
     try:
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True)
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True)
         return git.stdout.decode().strip() or "unknown"
     except OSError:
         return "unknown"

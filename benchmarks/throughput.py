@@ -235,7 +235,7 @@ def main() -> None:
         if name != "pagedserve":
             print(f"speed-up over {name}: {r['seconds'] / ours:.1f}x")
     commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
+        ["git", "describe", "--always", "--dirty"],
         capture_output=True,
         text=True,
         cwd=Path(__file__).parent,

@@ -23,7 +23,7 @@ _COMMON: dict[str, Any] = dict(
 
 # num_kv_heads vs tp_size: llama_gqa splits its 2 KV heads at tp 2 and replicates them at
 # tp 4; llama_mqa (1 KV head) always replicates; qwen3's vocabulary (509) leaves the last
-# vocab shard padded.
+# vocab shard padded; llama_8heads runs at tp 8.
 CONFIGS: dict[str, transformers.PretrainedConfig] = {
     "llama_gqa": transformers.LlamaConfig(
         **_COMMON, vocab_size=512, num_key_value_heads=2, tie_word_embeddings=False
@@ -33,6 +33,13 @@ CONFIGS: dict[str, transformers.PretrainedConfig] = {
     ),
     "qwen3": transformers.Qwen3Config(
         **_COMMON, vocab_size=509, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False
+    ),
+    # 8 heads and 4 KV heads: splits 8 ways (KV heads replicated in pairs).
+    "llama_8heads": transformers.LlamaConfig(
+        **{**_COMMON, "num_attention_heads": 8},
+        vocab_size=512,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
     ),
     "gpt2": transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128, initializer_range=0.2
