@@ -4,6 +4,7 @@ It sees only token ids. Tokenizing, detokenizing and stop strings happen in the 
 (`LLMEngine` in-process, or the API server's process talking to it over IPC).
 """
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -82,6 +83,11 @@ class EngineCore:
         )
         # Async scheduling: the step launched last, whose tokens are not applied yet.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        # Everything start-up made (modules, weights' Python objects, graphs) lives as long as
+        # the engine: keep it out of the garbage collector's scans, which otherwise pause
+        # the step loop (vLLM does the same).
+        gc.collect()
+        gc.freeze()
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises InvalidRequestError if it could never fit the cache."""
