@@ -21,7 +21,7 @@ from ._helpers import (
 # (model, tp_size): every model at 2; at 4 where the heads split 4 ways, including
 # llama_gqa's 2 KV heads replicated over 4 ranks; at 8 (issue 8's CPU stand-in for 8 GPUs).
 CASES = [(name, 2) for name in sorted(CONFIGS)] + [(name, 2) for name in REAL_MODELS]
-CASES += [("llama_gqa", 4), ("stories260k", 4), ("llama_8heads", 8)]
+CASES += [("llama_gqa", 4), ("stories260k", 4), ("llama_8heads", 8), ("tinystories-656k", 8)]
 
 
 @pytest.fixture(scope="module")
