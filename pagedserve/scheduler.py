@@ -71,6 +71,8 @@ class Scheduler:
         # Unfinished requests whose sampling reads their past output tokens on the host
         # (penalties, bad words): async scheduling waits for each step while there are any.
         self._num_needing_tokens = 0
+        # Steps scheduled but not yet applied: id(SchedulerOutput) -> (it, its requests).
+        self._launched: dict[int, tuple[SchedulerOutput, dict[str, Request]]] = {}
 
     @property
     def num_running(self) -> int:
@@ -152,7 +154,18 @@ class Scheduler:
             )
         finished_ids, self._finished_ids = self._finished_ids, set()
         self.num_scheduled_tokens_total += sum(n for _, n, _ in plan.scheduled)
-        return SchedulerOutput(plan.new_requests, scheduled_requests, finished_ids)
+        output = SchedulerOutput(plan.new_requests, scheduled_requests, finished_ids)
+        if scheduled_requests:
+            # Which Request objects this step is for: a request id may be reused by a new
+            # request while the step is in flight (after an abort or a stop string).
+            step_requests = {r.request_id: r for r, _, _ in plan.scheduled}
+            for scheduled in scheduled_requests:
+                for sibling_id in scheduled.fork_request_ids:
+                    step_requests[sibling_id] = self.requests[sibling_id]
+            self._launched[id(output)] = (output, step_requests)
+            while len(self._launched) > _MAX_LAUNCHED:  # outputs never applied (a failed step)
+                del self._launched[next(iter(self._launched))]
+        return output
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         i = 0
@@ -263,20 +276,34 @@ class Scheduler:
         """Append sampled tokens, apply the stop rules and free finished requests."""
         outputs = []
         prompt_logprobs = runner_output.prompt_logprobs
+        launched = self._launched.pop(id(scheduler_output), None)
+        step_requests = launched[1] if launched and launched[0] is scheduler_output else None
+
+        def live(request_id: str) -> Request | None:
+            """The request this step ran for, unless it finished while the step ran (abort,
+            stop string, or with async scheduling a stop token of the step before); a new
+            request that reuses the id is not it."""
+            request = self.requests.get(request_id)
+            if step_requests is not None and step_requests.get(request_id) is not request:
+                return None
+            return request
+
         for request_id, token_id, logprobs in zip(
             runner_output.request_ids,
             runner_output.sampled_token_ids,
             runner_output.logprobs,
             strict=True,
         ):
-            request = self.requests.get(request_id)
+            request = live(request_id)
             if request is None:
-                continue  # finished while the step ran (abort, stop string, or a stop token
-                # sampled by the step before, with async scheduling)
+                continue
             request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
             # A request preempted after this step was launched (async scheduling) still
             # keeps the token: its recomputation starts from all its tokens.
             request.append_output_token_ids([token_id])
+            # The token was a placeholder when its block was scheduled: index the blocks it
+            # fills now (no-op when they are indexed already).
+            self.kv_cache.cache_known_blocks(request)
             status = self._check_stop(request, token_id)
             if status is not None:
                 if request.status == RequestStatus.RUNNING:
@@ -298,7 +325,7 @@ class Scheduler:
             )
         sampled_ids = set(runner_output.request_ids) if prompt_logprobs else set()
         for request_id, data in prompt_logprobs.items():  # prefill chunks that sampled nothing
-            request = self.requests.get(request_id)
+            request = live(request_id)
             running = request is not None and request.status == RequestStatus.RUNNING
             if running and request_id not in sampled_ids:
                 outputs.append(EngineCoreOutput(request_id, [], None, None, None, 0, data))
@@ -324,6 +351,9 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
         # Siblings still waiting for this request compute their own prompt instead.
         self.waiting.extend(self.pending_forks.pop(request.request_id, []))
+
+
+_MAX_LAUNCHED = 8  # steps in flight are at most 2; older entries belong to failed steps
 
 
 def _needs_output_tokens(request: Request) -> bool:

@@ -124,3 +124,42 @@ def test_abort_with_a_step_in_flight_frees_everything() -> None:
     kv_cache = engine.engine_core.kv_cache
     kv_cache.check_invariants()
     assert kv_cache.usage == 0
+
+
+def test_reused_request_id_gets_no_stale_token() -> None:
+    """An id reused right after an abort, while the aborted request's step is in flight:
+    that step's token for the old request must not reach the new one."""
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    results = []
+    for async_scheduling in (False, True):
+        engine: LLMEngine = make_llm(async_scheduling, num_gpu_blocks_override=200).llm_engine
+        engine.add_request("a", {"prompt_token_ids": [1, 500, 600, 700]}, greedy)
+        for _ in range(4):
+            engine.step()
+        engine.abort_request("a")
+        short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        engine.add_request("a", {"prompt_token_ids": [1, 20, 30, 40, 50]}, short)
+        final = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    final = output.outputs[0].token_ids
+        engine.engine_core.kv_cache.check_invariants()
+        results.append(final)
+    assert results[0] == results[1]
+    assert results[1] is not None and len(results[1]) == 5
+
+
+def test_follow_up_prompt_hits_the_block_the_last_token_filled() -> None:
+    """Multi-turn reuse (next prompt = prompt + output): the block completed by the last
+    token fed, a placeholder when it was scheduled, is in the prefix-cache index too."""
+    prompt = [1, 11, 12, 13, 14, 15, 16]  # 7 tokens; blocks of 4
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    hits = []
+    for async_scheduling in (False, True):
+        llm = make_llm(async_scheduling, num_gpu_blocks_override=200)
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        follow = prompt + out.outputs[0].token_ids + [20, 21, 22, 23]
+        again = llm.generate({"prompt_token_ids": follow}, params, use_tqdm=False)[0]
+        hits.append(again.num_cached_tokens)
+    assert hits == [8, 8]  # 7 prompt tokens + the first output fed = 2 full blocks
