@@ -23,8 +23,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.presets import PRESETS, materialize  # noqa: E402
-from benchmarks.throughput import make_requests, parse_len  # noqa: E402
+from benchmarks.presets import materialize  # noqa: E402
+from benchmarks.throughput import add_workload_args, make_requests  # noqa: E402
 
 PHASES = ("schedule", "states", "inputs", "forward", "sample_meta", "sample", "to_output",
           "update", "output")  # fmt: skip
@@ -132,19 +132,7 @@ def gpu_window(steps: Callable[[], float], top: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="local HF model folder")
-    source.add_argument("--preset", choices=sorted(PRESETS), help="architecture, dummy weights")
-    parser.add_argument("--input-len", type=parse_len, default=(128, 128))
-    parser.add_argument("--output-len", type=parse_len, default=(128, 128))
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_workload_args(parser)
     parser.add_argument(
         "--gpu-windows",
         default="5,100,400",

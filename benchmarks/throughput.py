@@ -167,8 +167,8 @@ def run_hf_continuous(args: argparse.Namespace, model: str, requests: list) -> d
     return {"seconds": seconds, "output_tokens": num_out}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The model and workload flags that `throughput.py` and `step_profile.py` share."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="local HF model folder")
     source.add_argument("--preset", choices=sorted(PRESETS), help="architecture, dummy weights")
@@ -178,13 +178,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--load-format", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--enforce-eager", action="store_true")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser)
+    parser.add_argument("--load-format", default="auto")
     parser.add_argument("--kv-cache-memory-bytes", type=int)
     parser.add_argument("--attention-backend")
-    parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument(
         "--hf-sequential",

@@ -26,6 +26,23 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
+def save_tiny_llama(path: Path, max_position_embeddings: int) -> None:
+    """A 2-layer random Llama (8 heads, 2 KV heads, peaked logits) saved as an HF folder."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=0.2,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
 def generate(model: str, **kwargs: object) -> list[list[int]]:
     llm = LLM(model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64, **kwargs)  # type: ignore[arg-type]
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -50,20 +67,9 @@ def test_cuda_graph_replay_equals_eager(tmp_path: Path) -> None:
     for max_model_len keys, so float rounding may differ in the last bits (vLLM's tests
     compare logprobs the same way)."""
     import torch
-    import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-    )
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    save_tiny_llama(tmp_path, max_position_embeddings=512)
     stories = MODELS / "stories260k"
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (tmp_path / name).write_bytes((stories / name).read_bytes())
@@ -108,7 +114,6 @@ def test_no_triton_compile_after_start_up(tmp_path: Path) -> None:
     import random
 
     import torch
-    import transformers
 
     from pagedserve.attention.kernels.paged_attention import (
         combine_splits_kernel,
@@ -129,16 +134,7 @@ def test_no_triton_compile_after_start_up(tmp_path: Path) -> None:
     def num_variants() -> int:
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    save_tiny_llama(tmp_path, max_position_embeddings=2048)
     llm = LLM(
         str(tmp_path),
         dtype="float16",
