@@ -81,6 +81,7 @@ class EngineCore:
         self.async_scheduling = _resolve_async_scheduling(
             config.scheduler_config.async_scheduling, self.executor
         )
+        logger.info("async scheduling: %s", "on" if self.async_scheduling else "off")
         # Async scheduling: the step launched last, whose tokens are not applied yet.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         # Everything start-up made (modules, weights' Python objects, graphs) lives as long as
