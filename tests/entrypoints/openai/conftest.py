@@ -146,6 +146,21 @@ class Server:
         text: str = response.json()["prompt"]
         return text
 
+    def leave_mid_stream(self, path: str, body: Any, num_events: int = 4) -> None:
+        """Open a streaming request, read `num_events` SSE events (checking that it is still
+        running), then disconnect."""
+        url = f"{self.url}{path}"
+        with httpx.stream("POST", url, json=body, headers=self.headers, timeout=30) as response:
+            assert response.status_code == 200
+            # Keep the iterator referenced: dropping it would close the connection right away.
+            lines = response.iter_lines()
+            seen = 0
+            for line in lines:
+                seen += line.startswith("data: ")
+                if seen == num_events:
+                    break
+            assert self.metrics()["pagedserve:num_requests_running"] >= 1  # still generating
+
     def metrics(self) -> dict[str, float]:
         """/metrics as {"name{labels}": value}, without the model_name label."""
         response = httpx.get(f"{self.url}/metrics", timeout=30.0)

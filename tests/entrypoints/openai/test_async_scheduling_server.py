@@ -5,7 +5,6 @@ everything."""
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from .conftest import Server, start_server
@@ -55,14 +54,6 @@ def test_disconnect_mid_stream_frees_everything(async_server: Server) -> None:
     async_server.wait_metrics(idle)
     before = async_server.metrics()
     body = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    url = f"{async_server.url}/v1/completions"
-    with httpx.stream("POST", url, json=body, timeout=30) as response:
-        assert response.status_code == 200
-        lines = response.iter_lines()
-        num_events = 0
-        for line in lines:
-            num_events += line.startswith("data: ")
-            if num_events == 4:
-                break
+    async_server.leave_mid_stream("/v1/completions", body)
     after = async_server.wait_metrics(idle, timeout_s=5.0)
     assert after[ABORTED] == before[ABORTED] + 1
