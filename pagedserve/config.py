@@ -90,7 +90,7 @@ class SchedulerConfig:
     enable_chunked_prefill: split prompts longer than the remaining budget over several steps.
     async_scheduling: schedule step N+1 while the device runs step N (vLLM's
         `--async-scheduling`); a decode's input token is then the one step N samples, taken on
-        the device. None = on where it pays: one rank on a CUDA device.
+        the device. None = on for CUDA devices (off on the CPU, where nothing overlaps).
     """
 
     max_num_seqs: int = 256

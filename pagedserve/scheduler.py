@@ -189,8 +189,9 @@ class Scheduler:
             self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            if request.num_output_placeholders:  # preempted with a token in flight
-                return
+            # A request preempted with a token in flight gets it (update_from_output) before
+            # the next schedule: preemption stops admission for the step it happens in.
+            assert request.num_output_placeholders == 0
             hits, num_hit_tokens = (
                 self.kv_cache.get_computed_blocks(request)
                 if request.sampling_params.prompt_logprobs is None
@@ -301,9 +302,6 @@ class Scheduler:
             # A request preempted after this step was launched (async scheduling) still
             # keeps the token: its recomputation starts from all its tokens.
             request.append_output_token_ids([token_id])
-            # The token was a placeholder when its block was scheduled: index the blocks it
-            # fills now (no-op when they are indexed already).
-            self.kv_cache.cache_known_blocks(request)
             status = self._check_stop(request, token_id)
             if status is not None:
                 if request.status == RequestStatus.RUNNING:

@@ -175,7 +175,7 @@ _FLAG_HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "enable_chunked_prefill": "split long prompts over several steps",
     "async_scheduling": "schedule the next step while the device runs this one (default: on "
-    "for one rank on a CUDA device)",
+    "for CUDA devices)",
     "tensor_parallel_size": "number of tensor-parallel ranks",
     "distributed_executor_backend": "uni, mp or ray (default: uni for one rank, else mp)",
     "distributed_timeout_s": "seconds a collective or a worker's reply may take before the "

@@ -14,7 +14,7 @@ from pagedserve.kv_cache.manager import KVCacheManager, cdiv
 from pagedserve.request import Request, RequestStatus
 from pagedserve.scheduler import EngineCoreOutput, Scheduler
 from pagedserve.step import SchedulerOutput
-from pagedserve.worker.executor import Executor, create_executor
+from pagedserve.worker.executor import create_executor
 from pagedserve.worker.model_runner import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,10 @@ class EngineCore:
             num_blocks, block_size, config.cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, max_model_len)
-        self.async_scheduling = _resolve_async_scheduling(
-            config.scheduler_config.async_scheduling, self.executor
+        async_scheduling = config.scheduler_config.async_scheduling
+        # Default: on where the device runs asynchronously to the host.
+        self.async_scheduling = (
+            self.executor.device_type == "cuda" if async_scheduling is None else async_scheduling
         )
         logger.info("async scheduling: %s", "on" if self.async_scheduling else "off")
         # Async scheduling: the step launched last, whose tokens are not applied yet.
@@ -161,16 +163,3 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def _resolve_async_scheduling(wanted: bool | None, executor: Executor) -> bool:
-    """`async_scheduling` None means on where it pays (one rank on a CUDA device). Raises
-    ValueError when asked for where the executor cannot do it."""
-    if wanted and not executor.supports_async_scheduling:
-        raise ValueError(
-            "async_scheduling needs tensor_parallel_size 1 (the single-process executor); "
-            "turn it off for tensor parallelism"
-        )
-    if wanted is None:
-        return executor.supports_async_scheduling and executor.device_type == "cuda"
-    return wanted

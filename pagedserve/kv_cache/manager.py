@@ -115,17 +115,6 @@ class KVCacheManager:
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return [block.block_id for block in hits + new_blocks]
 
-    def cache_known_blocks(self, request: Request) -> None:
-        """Index the request's computed blocks that are now full of known tokens. With async
-        scheduling a decode's token is a placeholder when its block is allocated, so
-        `allocate_slots` could not index the block that token fills; this does once the
-        token arrives."""
-        if not self._is_cacheable(request) or request.request_id not in self.req_to_blocks:
-            return
-        num_tokens = min(request.num_computed_tokens, request.num_tokens)
-        if num_tokens // self.block_size > self.num_cached_blocks.get(request.request_id, 0):
-            self._cache_full_blocks(request, num_tokens)
-
     def fork(self, source: Request, sibling: Request) -> None:
         """Give `sibling` the same block table as `source` (same tokens so far), sharing every
         block by reference count; a shared partly filled block is copied on its first write."""
@@ -168,7 +157,13 @@ class KVCacheManager:
         self.pending_copies[request.request_id] = (index, shared.block_id, copy.block_id)
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks (tail first, so the tail is evicted first)."""
+        """Release the request's blocks (tail first, so the tail is evicted first), indexing
+        first the computed blocks whose tokens are all known by now: with async scheduling
+        `allocate_slots` cannot index the block that a placeholder token completes, and a
+        request that ends has no later allocation to catch up."""
+        num_known = min(request.num_computed_tokens, request.num_tokens)
+        if self._is_cacheable(request) and request.request_id in self.req_to_blocks:
+            self._cache_full_blocks(request, num_known)
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.block_pool.free(reversed(blocks))
         self.num_cached_blocks.pop(request.request_id, None)

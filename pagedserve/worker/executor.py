@@ -7,8 +7,8 @@ there are:
     block_bytes             bytes of one KV block on one rank
     initialize_cache(n)     allocate n blocks on every rank
     execute_model(step)     run one SchedulerOutput on every rank; rank 0's sampled tokens
-    execute_model_async(step)  the same, returning before the device is done (where
-                            `supports_async_scheduling`; else it waits, then returns)
+    execute_model_async(step)  the same, returning before the device is done: the next step
+                            may be launched first (async scheduling)
     shutdown()              stop the workers (idempotent)
 
 `create_executor` picks one from `ParallelConfig.executor_backend`.
@@ -25,10 +25,7 @@ from pagedserve.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 class Executor(Protocol):
     """What EngineCore needs from the workers (see the module docstring)."""
 
-    # Whether the next step may be launched before this one's tokens are back (the ranks
-    # take the placeholder tokens from their own last sample), and the device type there.
-    supports_async_scheduling: bool
-    device_type: str
+    device_type: str  # of the ranks' devices: async scheduling is on by default on "cuda"
 
     @property
     def block_bytes(self) -> int: ...
@@ -69,7 +66,6 @@ class UniprocExecutor:
             )
         self.runner = ModelRunner(config)
         self.runner.load_model()
-        self.supports_async_scheduling = True
         self.device_type = self.runner.device.type
 
     def determine_num_blocks(self) -> int:
@@ -100,7 +96,6 @@ class RankGroupExecutor(ABC):
     rank; rank 0's answer is the step's output. Subclasses say how a call reaches the ranks."""
 
     timeout_s: float
-    supports_async_scheduling = True
     device_type: str  # of the ranks' devices
     # Async scheduling: the output of the step launched last, which the ranks send back with
     # the reply to the next launch (or to "finish_pending").

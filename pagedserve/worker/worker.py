@@ -78,8 +78,9 @@ class Worker:
         self.runner.allocate_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step; rank 0 returns the sampled tokens, the other ranks None (they need
-        no tokens of their own: the next SchedulerOutput carries every token to feed)."""
+        """Run one step; rank 0 returns the sampled tokens, the other ranks None (the next
+        SchedulerOutput carries every token to feed, but for placeholders, which every rank
+        takes from its own copy of rank 0's last sample)."""
         output = self.runner.execute_model(scheduler_output)
         return output if self.rank == 0 else None
 
@@ -88,17 +89,17 @@ class Worker:
         (rank 0; None on the other ranks, or when no step was pending). The engine thus gets
         step N's tokens while the device already runs step N+1."""
         previous, self._pending = self._pending, self.runner.execute_model_async(scheduler_output)
-        if previous is None:
-            return None
-        output = previous.result()
-        return output if self.rank == 0 else None
+        return self._answer(previous)
 
     def finish_pending(self) -> ModelRunnerOutput | None:
         """Wait for the launched step, if any; its output on rank 0."""
         pending, self._pending = self._pending, None
-        if pending is None:
+        return self._answer(pending)
+
+    def _answer(self, launched: AsyncModelRunnerOutput | None) -> ModelRunnerOutput | None:
+        if launched is None:
             return None
-        output = pending.result()
+        output = launched.result()
         return output if self.rank == 0 else None
 
     def shutdown(self) -> None:
