@@ -7,8 +7,9 @@ Each kernel is captured in a CUDA graph and replayed (triton.testing.do_bench_cu
 median), so the numbers are GPU time without Python launch overhead. Decode bandwidth counts
 the K and V bytes read (sum of seq_lens x num_kv_heads x head_dim x 2 x dtype size) over the
 time, against a device-to-device copy measured in the same run. Prints a table and one JSON
-line per row; `--sweep decode,splits,prefill` also times alternative tile configurations and
-split counts (the data behind the defaults in triton_backend.py).
+line per row; `--sweep decode,splits,prefill,batched` also times alternative tile configurations and
+split counts (the data behind the defaults in triton_backend.py); `batched` on the shapes of
+a batched-throughput step (256 decodes at ~600 keys; 16 prompts of 512 tokens).
 """
 
 import argparse
@@ -257,10 +258,59 @@ def sweep_prefill(cache: Cache, rows: list[dict[str, Any]]) -> None:
                          tflops=round(tflops, 1)))  # fmt: skip
 
 
+def sweep_batched(cache: Cache, rows: list[dict[str, Any]]) -> None:
+    """Tiles on the shapes of a batched-throughput step (P5: Llama-3.1-8B, 256 x 512 in / 128
+    out): decodes of 256 requests at 512-640 keys, and a prefill step of 16 whole 512-token
+    prompts, against torch SDPA's flash kernel on the same prompts stored contiguously."""
+    decode_tiles = [(64, 4, 2), (64, 2, 2), (128, 4, 2), (128, 2, 2), (64, 2, 3), (32, 2, 2),
+                    (64, 1, 2), (128, 4, 3)]  # fmt: skip
+    for context in (576, 640):
+        query_lens, seq_lens = [1] * 256, [context] * 256
+        base = default_plan(cache.metadata(query_lens, seq_lens), 1)
+        assert base.decode is not None
+        for tile_n, warps, stages in decode_tiles:
+            tile = TileConfig(base.decode.block_m, tile_n, warps, stages)
+            plan = AttentionPlan(tile, None, base.decode_max_query_len, 1)
+            ms = time_attention(cache, query_lens, seq_lens, lambda md, plan=plan: plan)
+            bw = kv_bytes(seq_lens) / (ms * 1e-3)
+            rows.append(dict(kind="sweep_batched_decode", batch=256, context=context,
+                             tile_n=tile_n, num_warps=warps, num_stages=stages, ms=round(ms, 4),
+                             tb_per_s=round(bw / 1e12, 3),
+                             default=tile == base.decode))  # fmt: skip
+    prefill_tiles = [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2), (128, 128, 8, 2),
+                     (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2), (128, 32, 4, 2),
+                     (256, 64, 8, 2), (128, 128, 8, 3)]  # fmt: skip
+    query_lens = seq_lens = [512] * 16
+    flops = causal_flops(query_lens, seq_lens)
+    base_prefill = default_plan(cache.metadata(query_lens, seq_lens)).prefill
+    for block_m, tile_n, warps, stages in prefill_tiles:
+        tile = TileConfig(block_m, tile_n, warps, stages)
+        plan = AttentionPlan(None, tile, 0, 1)
+        try:
+            ms = time_attention(cache, query_lens, seq_lens, lambda md, plan=plan: plan)
+        except Exception as error:  # out of shared memory / registers for this tile
+            rows.append(dict(kind="sweep_batched_prefill", batch=16, context=512,
+                             block_m=block_m, tile_n=tile_n, num_warps=warps,
+                             num_stages=stages, error=type(error).__name__))  # fmt: skip
+            continue
+        rows.append(dict(kind="sweep_batched_prefill", batch=16, context=512, block_m=block_m,
+                         tile_n=tile_n, num_warps=warps, num_stages=stages, ms=round(ms, 4),
+                         tflops=round(flops / (ms * 1e-3) / 1e12, 1),
+                         default=tile == base_prefill))  # fmt: skip
+    q = torch.randn(16, NUM_HEADS, 512, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    kv = torch.randn(2, 16, NUM_HEADS, 512, HEAD_DIM, dtype=DTYPE, device=DEVICE)
+    sdpa_ms = triton.testing.do_bench_cudagraph(
+        lambda: F.scaled_dot_product_attention(q, kv[0], kv[1], is_causal=True),
+        rep=50, return_mode="median",
+    )  # fmt: skip
+    rows.append(dict(kind="sdpa_flash_contiguous", batch=16, context=512, ms=round(sdpa_ms, 4),
+                     tflops=round(flops / (sdpa_ms * 1e-3) / 1e12, 1)))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--sweep", default="", help="comma list of extra sweeps: decode, splits, prefill"
+        "--sweep", default="", help="comma list of extra sweeps: decode, splits, prefill, batched"
     )
     parser.add_argument("--quick", action="store_true", help="a few rows only")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
@@ -288,6 +338,8 @@ def main() -> None:
         sweep_splits(cache, rows)
     if "prefill" in sweeps:
         sweep_prefill(cache, rows)
+    if "batched" in sweeps:
+        sweep_batched(cache, rows)
     for row in rows:
         print(json.dumps({**row, **header}))
     print(f"\n{'kind':<14}{'batch':>6}{'context':>8}  result")
