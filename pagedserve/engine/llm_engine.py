@@ -134,8 +134,10 @@ class LLMEngine:
         self.engine_core = EngineCore(config)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        return cls(engine_args.create_engine_config())
+    def from_engine_args(
+        cls, engine_args: EngineArgs, usage_context: str = "engine_context"
+    ) -> "LLMEngine":
+        return cls(engine_args.create_engine_config(usage_context))
 
     @property
     def scheduler(self):  # type: ignore[no-untyped-def]

@@ -33,13 +33,15 @@ class LLM:
             raise ValueError(
                 f"unknown LLM option(s) {sorted(unknown)}; known: {EngineArgs.field_names()}"
             )
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.llm_engine = LLMEngine.from_engine_args(
+            EngineArgs(model=model, **kwargs), usage_context="llm_class"
+        )
         self._request_counter = itertools.count()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
         llm = cls.__new__(cls)
-        llm.llm_engine = LLMEngine.from_engine_args(engine_args)
+        llm.llm_engine = LLMEngine.from_engine_args(engine_args, usage_context="llm_class")
         llm._request_counter = itertools.count()
         return llm
 

@@ -300,3 +300,41 @@ def test_a_failed_step_leaves_the_engine_usable(llm: LLM, monkeypatch: pytest.Mo
         "Once upon a time", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
     )[0]
     assert len(out.outputs[0].token_ids) == 5
+
+
+class _FakeProps:
+    def __init__(self, name: str, gib: int) -> None:
+        self.name, self.total_memory = name, gib << 30
+
+
+@pytest.mark.parametrize(
+    ("name", "gib", "usage_context", "expected"),
+    [
+        ("NVIDIA H200", 141, "llm_class", 16384),
+        ("NVIDIA H100 80GB HBM3", 80, "llm_class", 16384),
+        ("NVIDIA A100-SXM4-80GB", 80, "llm_class", 8192),  # vLLM: larger budgets slow A100
+        ("NVIDIA L4", 24, "llm_class", 8192),
+        ("NVIDIA H200", 141, "openai_api_server", 8192),
+        ("NVIDIA H200", 141, "engine_context", 8192),
+    ],
+)
+def test_default_token_budget_follows_vllm(
+    monkeypatch: pytest.MonkeyPatch, name: str, gib: int, usage_context: str, expected: int
+) -> None:
+    from pagedserve.engine import arg_utils
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _FakeProps(name, gib))
+    assert arg_utils.default_max_num_batched_tokens(usage_context, "auto") == expected
+    assert arg_utils.default_max_num_batched_tokens(usage_context, "cpu") == 8192
+    args = arg_utils.EngineArgs(max_num_seqs=20000)
+    config = args.create_engine_config(usage_context)
+    assert config.scheduler_config.max_num_batched_tokens == 20000  # never below max_num_seqs
+    config = arg_utils.EngineArgs(max_num_batched_tokens=100).create_engine_config(usage_context)
+    assert config.scheduler_config.max_num_batched_tokens == 100  # an explicit value wins
+    with pytest.raises(ValueError, match="usage_context"):
+        args.create_engine_config("server")
+
+
+def test_llm_class_on_cpu_keeps_8192(llm: LLM) -> None:
+    assert llm.llm_engine.config.scheduler_config.max_num_batched_tokens == 8192
