@@ -32,6 +32,7 @@ def run(model: str, args: argparse.Namespace, caching: bool, prompts: list[list[
         enable_prefix_caching=caching,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.prefix_len + args.suffix_len + args.output_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     )
     params = SamplingParams(
         temperature=0, max_tokens=args.output_len, ignore_eos=True, detokenize=False
@@ -67,6 +68,11 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        help="fixed KV cache size (on a GPU: both runs share it, one engine after the other)",
+    )
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     model = args.model or str(materialize(args.preset, Path(tmp.name)))
