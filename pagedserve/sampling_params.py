@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import pagedserve.envs as envs
 from pagedserve.errors import InvalidRequestError
 
 _GREEDY_EPSILON = 1e-5  # temperatures below this are treated as greedy, as in vLLM
@@ -128,7 +129,18 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        limit = envs.max_n_sequences()
+        _check(
+            self.n <= limit,
+            "n",
+            f"must be at most {limit} (PAGEDSERVE_MAX_N_SEQUENCES), got {self.n}",
+        )
         if self.best_of is not None:
+            _check(
+                self.best_of <= limit,
+                "best_of",
+                f"must be at most {limit} (PAGEDSERVE_MAX_N_SEQUENCES), got {self.best_of}",
+            )
             _check(
                 self.best_of >= self.n, "best_of", f"must be >= n ({self.n}), got {self.best_of}"
             )

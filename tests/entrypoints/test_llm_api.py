@@ -223,6 +223,8 @@ def test_bad_input_raises_value_error_naming_limits(llm: LLM) -> None:
         ({"logprobs": -1}, "logprobs"),
         ({"best_of": 1, "n": 2}, "best_of"),
         ({"stop": [""]}, "stop"),
+        ({"n": 10**9}, "n"),  # PAGEDSERVE_MAX_N_SEQUENCES (16384), as vLLM's limit
+        ({"n": 2, "best_of": 16385}, "best_of"),
     ],
 )
 def test_invalid_sampling_params(kwargs: dict, field: str) -> None:
@@ -230,6 +232,17 @@ def test_invalid_sampling_params(kwargs: dict, field: str) -> None:
         SamplingParams(**kwargs)
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+def test_max_n_sequences_is_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert SamplingParams(n=16384).n == 16384
+    monkeypatch.setenv("PAGEDSERVE_MAX_N_SEQUENCES", "4")
+    assert SamplingParams(n=4).n == 4
+    with pytest.raises(ValueError, match=r"n must be at most 4 \(PAGEDSERVE_MAX_N_SEQUENCES\)"):
+        SamplingParams(n=5)
+    monkeypatch.setenv("PAGEDSERVE_MAX_N_SEQUENCES", "many")
+    with pytest.raises(ValueError, match="PAGEDSERVE_MAX_N_SEQUENCES must be a positive"):
+        SamplingParams()
 
 
 def test_missing_and_unsupported_models(tmp_path: Path) -> None:
