@@ -1,5 +1,6 @@
 """SamplingParams and BeamSearchParams: how to pick next tokens and when to stop (vLLM's API)."""
 
+import logging
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -7,6 +8,8 @@ from typing import Any
 
 import pagedserve.envs as envs
 from pagedserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 _GREEDY_EPSILON = 1e-5  # temperatures below this are treated as greedy, as in vLLM
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
@@ -158,6 +161,29 @@ class SamplingParams:
             f"must be > 0, got {self.repetition_penalty}",
         )
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        # The sampler divides and multiplies float32 logits by these: a value that rounds to
+        # 0 or overflows there would turn banned tokens (-inf) into NaN, then into candidates.
+        _check(
+            _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX,
+            "repetition_penalty",
+            f"must be in [{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}] (float32), "
+            f"got {self.repetition_penalty}",
+        )
+        _check(
+            self.temperature <= _FLOAT32_MAX,
+            "temperature",
+            f"must be at most {_FLOAT32_MAX:.3g} (float32), got {self.temperature}",
+        )
+        if _GREEDY_EPSILON <= self.temperature < _MIN_TEMPERATURE:
+            # As vLLM: dividing logits by a tinier temperature can overflow float32 (below
+            # _GREEDY_EPSILON the request is greedy and nothing is divided).
+            logger.warning(
+                "temperature %s is below %s, which may give NaN or inf logits; using %s",
+                self.temperature,
+                _MIN_TEMPERATURE,
+                _MIN_TEMPERATURE,
+            )
+            self.temperature = _MIN_TEMPERATURE
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
         _check(self.top_k < 2**63, "top_k", f"must fit in 64 bits, got {self.top_k}")
@@ -322,6 +348,11 @@ class BeamSearchParams:
             f"must be a finite number, got {self.length_penalty!r}",
             "BeamSearchParams",
         )
+
+
+_FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
+_MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _is_int(value: Any) -> bool:

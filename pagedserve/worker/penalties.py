@@ -3,6 +3,7 @@
 import torch
 
 _MIN_ROWS = 8
+_LOGIT_LIMIT = 1e30  # x 100 (the smallest temperature's 1 / 0.01) stays finite in float32
 
 
 class TokenCountTable:
@@ -73,6 +74,12 @@ def apply_penalties(
     selected = logits.index_select(0, rows)
     in_output = output_counts > 0
     factor = torch.where(prompt_mask | in_output, repetition[:, None], 1.0)
-    selected = torch.where(selected > 0, selected / factor, selected * factor)
-    selected -= frequency[:, None] * output_counts + presence[:, None] * in_output
+    penalized = torch.where(selected > 0, selected / factor, selected * factor)
+    penalized -= frequency[:, None] * output_counts + presence[:, None] * in_output
+    # A large penalty must not push a finite logit to -inf, even after the temperature
+    # (>= 0.01) divides it: -inf marks banned tokens, and a row of only -inf has no token
+    # left to sample.
+    selected = torch.where(
+        selected.isfinite(), penalized.clamp(-_LOGIT_LIMIT, _LOGIT_LIMIT), selected
+    )
     logits.index_copy_(0, rows, selected)

@@ -199,6 +199,9 @@ def _truncation_threshold(
         probs = (top - norm[:, None]).exp()
         cumulative = probs.cumsum(dim=-1)
         keep &= (cumulative - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        # The most likely token always stays: a top_p that rounds to 0 in float32, or a row
+        # whose logits are all -inf (NaN probabilities), would otherwise keep nothing.
+        keep[:, 0] = True
     threshold = top.gather(1, keep.sum(dim=-1, keepdim=True) - 1).squeeze(1)
     uncut = top_k >= logits.shape[1]  # rows here for min-p only
     if top_p is not None:

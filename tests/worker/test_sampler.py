@@ -345,6 +345,52 @@ def test_samples_stay_inside_the_cut(top_k: int) -> None:
     assert set(sampled.tolist()) == allowed
 
 
+def test_extreme_values_never_sample_banned_tokens() -> None:
+    """Adversarial values (regressions): a top_p that rounds to 0 in float32
+    used to keep no token and crash the step (index -1); a huge repetition penalty used to push
+    the only allowed token to -inf, so that the row sampled from the whole vocabulary."""
+    torch.manual_seed(7)
+    logits = torch.randn(1, VOCAB).repeat(6, 1)
+    logits[:, 5] = -3.0  # negative: a repetition penalty multiplies it
+    huge = 3e38  # float32 max is 3.4e38
+    specs = [
+        (params(temperature=0.7, top_p=1e-46), [1], []),
+        (params(temperature=0.7, top_p=1e-300, seed=3), [1], []),
+        (params(temperature=0.5, repetition_penalty=huge, allowed_token_ids=[5]), [5], [5]),
+        (params(temperature=0.01, repetition_penalty=huge, allowed_token_ids=[5, 9]), [5, 9], []),
+        (
+            params(temperature=0, repetition_penalty=huge, allowed_token_ids=[5], logprobs=1),
+            [5],
+            [],
+        ),
+        (params(temperature=1.0, repetition_penalty=1e-30, allowed_token_ids=[5]), [5], []),
+    ]
+    out = Sampler().forward(logits.clone(), build(specs))
+    sampled = out.sampled_token_ids.tolist()
+    top = int(logits[0].argmax())
+    assert sampled[0] == top and sampled[1] == top  # top_p ~ 0 keeps the most likely token
+    assert sampled[2] == 5 and sampled[3] in (5, 9) and sampled[4] == 5 and sampled[5] == 5
+    assert out.logprobs is not None and torch.isfinite(out.logprobs[0, 0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": 1e39}, "temperature"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+    ],
+)
+def test_values_that_do_not_fit_float32_are_rejected(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} .*float32"):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_tiny_temperatures_are_raised_to_vllms_minimum() -> None:
+    assert SamplingParams(temperature=1e-3).temperature == 0.01  # as vLLM (_MAX_TEMP)
+    assert SamplingParams(temperature=1e-6).is_greedy  # below the greedy epsilon
+
+
 @pytest.mark.gpu
 def test_cuda_matches_cpu_and_the_reference() -> None:
     """The same mixed batch on the GPU: processed logits as on the CPU, seeded draws equal."""

@@ -78,7 +78,12 @@ def to_openai_error(exc: Exception) -> OpenAIError:
     if isinstance(exc, EngineOverloadedError):
         return OpenAIError(429, str(exc))
     if isinstance(exc, EngineDeadError):
-        return OpenAIError(503, str(exc))
+        # The cause (a traceback, with the server's file paths) goes to the server log only.
+        return OpenAIError(
+            503,
+            "the engine core has failed and cannot serve requests; restart the server (the "
+            "server log has the cause)",
+        )
     return OpenAIError(500, f"internal error: {exc!r}")
 
 

@@ -51,9 +51,21 @@ def test_every_token_banned_does_not_kill_the_engine(server: Any, stream: bool) 
 
 
 def test_infinite_logits_do_not_kill_the_engine(server: Any) -> None:
-    body = {"messages": CHAT, "max_tokens": 3, "repetition_penalty": 1e-40, "logprobs": True}
+    body = {"messages": CHAT, "max_tokens": 3, "repetition_penalty": 2e-38, "logprobs": True}
     response = server.post("/v1/chat/completions", body)
     assert response.status_code == 200, response.text
+    body["repetition_penalty"] = 1e-40  # 0 in float32: banned tokens became NaN, then likely
+    assert_400(server.post("/v1/chat/completions", body), "repetition_penalty", "float32")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_p_below_float32_does_not_kill_the_engine(server: Any, stream: bool) -> None:
+    """top_p = 1e-46 is 0 in float32: the nucleus kept no token, the sampler indexed -1 and
+    the engine core died (503 for every request after, with the traceback in the body)."""
+    body = {"prompt": "Hi", "max_tokens": 3, "top_p": 1e-46, "temperature": 1.0, "stream": stream}
+    response = server.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert "error" not in response.text
 
 
 @pytest.mark.parametrize(
