@@ -26,10 +26,13 @@ def _assert_idle(engine: LLMEngine) -> None:
         # every token banned: only EOS allowed, but EOS is banned before min_tokens
         {"allowed_token_ids": [2], "min_tokens": 2},
         {"allowed_token_ids": [2], "min_tokens": 2, "top_p": 0.5, "seed": 3},
-        # a penalty that is 0 in float32 makes logits infinite
-        {"repetition_penalty": 1e-40},
-        {"repetition_penalty": 1e-40, "top_p": 0.5},
-        {"repetition_penalty": 1e-40, "min_p": 0.5, "logprobs": 2},
+        # the smallest penalties float32 holds (1e-40, 0 there, is now a ValueError) made
+        # logits infinite
+        {"repetition_penalty": 2e-38},
+        {"repetition_penalty": 2e-38, "top_p": 0.5},
+        {"repetition_penalty": 2e-38, "min_p": 0.5, "logprobs": 2},
+        # a top_p that is 0 in float32 kept no token (index -1: the engine core died)
+        {"top_p": 1e-46},
     ],
 )
 def test_degenerate_distributions_sample_a_real_token(llm: LLM, kwargs: dict) -> None:

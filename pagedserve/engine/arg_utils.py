@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import typing
 from dataclasses import dataclass, fields
 from importlib.resources import files
 from pathlib import Path
@@ -75,6 +77,13 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
 
+    def __post_init__(self) -> None:
+        # A path object names a folder as well as a string does.
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
@@ -90,17 +99,26 @@ class EngineArgs:
             raise ValueError(
                 f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}"
             )
+        self._check_types()
+        _check_device(self.device)
+        if not -(2**63) <= self.seed < 2**64:  # torch.manual_seed's range
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         hf_config = load_hf_config(self.model)
+        _check_tensor_parallel_size(hf_config, self.tensor_parallel_size)
         model_max_len = get_model_max_len(hf_config)
-        max_model_len = self.max_model_len or model_max_len
+        max_model_len = model_max_len if self.max_model_len is None else self.max_model_len
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         if max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's context length "
                 f"({model_max_len}, from config.json)"
             )
-        max_num_batched_tokens = self.max_num_batched_tokens or max(
-            default_max_num_batched_tokens(usage_context, self.device), self.max_num_seqs
-        )
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(
+                default_max_num_batched_tokens(usage_context, self.device), self.max_num_seqs
+            )
         if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
@@ -143,6 +161,81 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 enforce_eager=self.enforce_eager,
             ),
+        )
+
+    def _check_types(self) -> None:
+        """Every option has its annotated type (an int is not a float here, nor a bool an
+        int), so that a wrong type fails now, naming the option, not deep inside the engine.
+        Raises ValueError."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            allowed = typing.get_args(f.type) or (f.type,)
+            if value is None and type(None) in allowed:
+                continue
+            ok = False
+            for kind in allowed:
+                if kind is bool:
+                    ok |= isinstance(value, bool)
+                elif kind is int:
+                    ok |= isinstance(value, int) and not isinstance(value, bool)
+                elif kind is float:
+                    ok |= isinstance(value, int | float) and not isinstance(value, bool)
+                elif kind is str:
+                    ok |= isinstance(value, str)
+            if not ok:
+                names = " or ".join(
+                    "None" if k is type(None) else getattr(k, "__name__", str(k)) for k in allowed
+                )
+                raise ValueError(f"{f.name} must be {names}, got {value!r}")
+
+
+def _check_device(device: str) -> None:
+    """ "auto", "cpu", "cuda" or "cuda:N", and CUDA only where torch has it. Raises ValueError."""
+    if device in ("auto", "cpu"):
+        return
+    if device != "cuda" and not re.fullmatch(r"cuda:\d+", device):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device!r} asked for, but torch sees no CUDA GPU "
+            f"(torch {torch.__version__}; torch.cuda.is_available() is False)"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {device!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)"
+        )
+
+
+def _check_tensor_parallel_size(hf_config: Any, tp_size: int) -> None:
+    """Tensor parallelism splits the attention heads (and the KV heads, or replicates them
+    when there are fewer than ranks) evenly: check before any worker starts. Raises
+    ValueError naming the counts."""
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp_size}")
+    num_heads = getattr(hf_config, "num_attention_heads", None) or getattr(
+        hf_config, "n_head", None
+    )
+    if not isinstance(num_heads, int) or tp_size == 1:
+        return
+    if num_heads % tp_size:
+        raise ValueError(
+            f"num_attention_heads ({num_heads}) is not divisible by tensor_parallel_size "
+            f"({tp_size})"
+        )
+    intermediate_size = getattr(hf_config, "intermediate_size", None)
+    if isinstance(intermediate_size, int) and intermediate_size % tp_size:
+        raise ValueError(
+            f"intermediate_size ({intermediate_size}) is not divisible by tensor_parallel_size "
+            f"({tp_size})"
+        )
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size ({tp_size}): "
+            f"one must divide the other"
         )
 
 

@@ -45,7 +45,8 @@ class EngineCoreClient:
     """The API server's side of the engine-core process (see `core_proc` for the messages).
 
     Construction blocks until the core has loaded the model and sized its KV cache, and raises
-    RuntimeError with the core's traceback if that fails. `send_*` never block; they raise
+    ValueError (a bad option, e.g. a KV cache that does not fit) or RuntimeError with the
+    core's traceback if that fails. `send_*` never block; they raise
     EngineDeadError once the core is gone.
     """
 
@@ -102,6 +103,8 @@ class EngineCoreClient:
             kind, payload = ready_reader.recv()
         except EOFError:
             raise RuntimeError("the engine core process died while starting") from None
+        if kind == "invalid":
+            raise ValueError(payload)
         if kind != "ready":
             raise RuntimeError(f"the engine core failed to start:\n{payload}")
         logger.info(

@@ -18,7 +18,8 @@ first item names the message:
             queue_times: [[request_id, seconds from arrival to first scheduling], ...]
         ["error", traceback_text]   the loop failed; the process exits right after
 
-Startup goes over a multiprocessing pipe, once: ("ready", num_blocks) or ("error", text).
+Startup goes over a multiprocessing pipe, once: ("ready", num_blocks), ("invalid", message)
+for a ValueError (a bad option) or ("error", traceback text).
 The core binds "input" and the server connects to it once the core is ready; the server binds
 "output". Neither side has a high-water mark, so sends never block. The core exits on
 "shutdown", when its parent process is gone (checked while idle), or on an error.
@@ -117,8 +118,12 @@ def run_engine_core(
 
         core = EngineCore(EngineArgs(**engine_args).create_engine_config())
         loop = _CoreLoop(core, input_address, output_address, parent_pid)
-    except BaseException:
-        ready_pipe.send(("error", traceback.format_exc()))
+    except BaseException as e:
+        # A ValueError names a bad option: the caller re-raises it as one, without our stack.
+        if isinstance(e, ValueError):
+            ready_pipe.send(("invalid", str(e)))
+        else:
+            ready_pipe.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
     ready_pipe.send(("ready", core.num_blocks))
     ready_pipe.close()

@@ -220,7 +220,27 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer, zeroed
-        (the torch backend reads padded slots under a mask; zeros keep them finite)."""
+        (the torch backend reads padded slots under a mask; zeros keep them finite). Raises
+        ValueError, naming the options that set the size, when it does not fit (on the CPU:
+        more than the RAM available now, which zeroed pages would otherwise take later)."""
+        num_bytes = num_blocks * self.block_bytes
+        what = (
+            f"a KV cache of {num_blocks} blocks ({num_bytes / 2**30:.2f} GiB) does not fit on "
+            f"{self.device}; lower kv_cache_memory_bytes, num_gpu_blocks_override or "
+            f"gpu_memory_utilization"
+        )
+        if self.device.type == "cpu" and num_bytes > _available_ram_bytes():
+            raise ValueError(f"{what} ({_available_ram_bytes() / 2**30:.2f} GiB RAM available)")
+        try:
+            self._allocate_kv_tensors(num_blocks)
+        except torch.OutOfMemoryError as e:
+            raise ValueError(f"{what}: {e}") from None
+        except RuntimeError as e:
+            if "alloc" not in str(e).lower():
+                raise
+            raise ValueError(f"{what}: {e}") from None
+
+    def _allocate_kv_tensors(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layer in self.attention_layers:
             cache = torch.zeros(

@@ -2,7 +2,10 @@
 
 import argparse
 
+import pytest
+
 from pagedserve.entrypoints.cli import build_parser
+from pagedserve.entrypoints.openai.api_server import run_server
 from pagedserve.entrypoints.openai.cli_args import add_server_args, resolve_server_args
 
 FLAGS = [
@@ -32,3 +35,42 @@ def test_defaults(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     assert args.port == 8000 and args.api_key == "from-env"
     assert args.served_model_name == [args.model] and "stories260k" in args.model
     assert build_parser().parse_args(["generate"]).command == "generate"
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--max-num-seqs", "0"], ["max_num_seqs must be positive"]),
+        (["--max-model-len", "0"], ["max_model_len must be positive"]),
+        (["--max-num-batched-tokens", "0"], ["max_num_batched_tokens must be positive"]),
+        (["--block-size", "3"], ["block_size", "power of two"]),
+        (["--device", "tpu"], ["device must be auto, cpu, cuda or cuda:N"]),
+        (["--seed", str(2**80)], ["seed must fit in 64 bits"]),
+        (["--tensor-parallel-size", "3"], ["num_attention_heads (8)", "tensor_parallel_size (3)"]),
+        (["--chat-template", "/no/such/template.jinja"], ["neither a file nor a Jinja template"]),
+        (["--chat-template", "{% for %}"], ["--chat-template does not compile"]),
+        (["--host", "256.256.256.256"], ["cannot listen on 256.256.256.256"]),
+        (["--kv-cache-memory-bytes", str(10**18)], ["does not fit on cpu", "kv_cache_memory"]),
+    ],
+)
+def test_bad_serve_flags_end_with_one_line(flags: list[str], words: list[str]) -> None:
+    """Each was a traceback, or (chat template) a server that started and then blamed every
+    client; the kv-cache case fails inside the engine-core process and comes back by name."""
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--port", "0", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        run_server(args)
+    message = str(exit_info.value.code)
+    assert message.startswith("pagedserve serve: error: ") and "\n" not in message
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize(
+    "flags", [["--port", "99999"], ["--port", "-1"], ["--stats-log-interval", "0"],
+              ["--stats-log-interval", "nan"]],
+)  # fmt: skip
+def test_out_of_range_server_flags_are_argparse_errors(flags: list[str], capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", *flags])
+    assert exit_info.value.code == 2
+    assert f"argument {flags[0]}" in capsys.readouterr().err

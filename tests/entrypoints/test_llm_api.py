@@ -351,3 +351,27 @@ def test_default_token_budget_follows_vllm(
 
 def test_llm_class_on_cpu_keeps_8192(llm: LLM) -> None:
     assert llm.llm_engine.config.scheduler_config.max_num_batched_tokens == 8192
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"max_num_batched_tokens": "8"}, "max_num_batched_tokens must be int or None"),
+        ({"block_size": 16.0}, "block_size must be int"),
+        ({"max_num_seqs": True}, "max_num_seqs must be int"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be bool"),
+        ({"device": "meta"}, "device must be auto, cpu, cuda or cuda:N"),
+        ({"max_model_len": 0}, "max_model_len must be positive"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be positive"),
+        ({"kv_cache_memory_bytes": 10**18}, "does not fit on cpu"),
+    ],
+)
+def test_engine_options_fail_at_start_naming_the_option(kwargs: dict, words: str) -> None:
+    """Each was accepted (a 0 meant "default") or failed deep inside with a TypeError."""
+    with pytest.raises(ValueError, match=words):
+        LLM(device=kwargs.pop("device", "cpu"), **kwargs)
+
+
+def test_a_path_object_names_the_model() -> None:
+    llm = LLM(Path(DEFAULT_MODEL), device="cpu", kv_cache_memory_bytes=1 << 20)
+    assert llm.generate("Once", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished

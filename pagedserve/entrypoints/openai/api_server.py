@@ -197,16 +197,33 @@ def _bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from None
     sock.set_inheritable(True)
     return sock
 
 
 def _read_chat_template(value: str | None) -> str | None:
-    if value is None or not os.path.isfile(value):
-        return value  # None, or the template itself
-    with open(value) as f:
-        return f.read()
+    """--chat-template: a file, or the template itself (as vLLM: text with no Jinja
+    delimiters that names no file is a mistyped path, not a template). The template must
+    compile. Raises ValueError naming the flag."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            value = f.read()
+    elif not any(mark in value for mark in ("{{", "{%", "{#")):
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not compile: {e} (line {e.lineno})") from None
+    return value
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -223,16 +240,24 @@ def run_server(args: argparse.Namespace) -> None:
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # as vLLM
     if args.skip_tokenizer_init:
         raise SystemExit("the server needs a tokenizer; drop --skip-tokenizer-init")
-    chat_template = _read_chat_template(args.chat_template)
-    sock = _bind_socket(args.host, args.port)
+    # Bad flags end the command with one line naming them, not a traceback.
+    try:
+        chat_template = _read_chat_template(args.chat_template)
+        sock = _bind_socket(args.host, args.port)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"pagedserve serve: error: {e}") from None
     metrics = EngineMetrics(args.served_model_name[0])
-    engine = AsyncLLMEngine.from_engine_args(
-        engine_args_from_namespace(args),
-        log_requests=not args.disable_log_requests,
-        log_stats=not args.disable_log_stats,
-        log_stats_interval_s=args.stats_log_interval,
-        metrics=metrics,
-    )
+    try:
+        engine = AsyncLLMEngine.from_engine_args(
+            engine_args_from_namespace(args),
+            log_requests=not args.disable_log_requests,
+            log_stats=not args.disable_log_stats,
+            log_stats_interval_s=args.stats_log_interval,
+            metrics=metrics,
+        )
+    except ValueError as e:
+        sock.close()
+        raise SystemExit(f"pagedserve serve: error: {e}") from None
     try:
         app = build_app(
             engine,

@@ -2,9 +2,24 @@
 `python -m pagedserve.entrypoints.openai.api_server`."""
 
 import argparse
+import math
 
 from pagedserve import envs
 from pagedserve.engine.arg_utils import add_engine_args
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
+
+
+def _positive_seconds(text: str) -> float:
+    seconds = float(text)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return seconds
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -13,7 +28,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument(
         "--host", default="0.0.0.0", help="address to listen on (default: %(default)s)"
     )
-    server.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    server.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
     server.add_argument(
         "--served-model-name",
         nargs="+",
@@ -40,7 +55,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--stats-log-interval",
-        type=float,
+        type=_positive_seconds,
         default=10.0,
         help="seconds between throughput log lines (default: %(default)s)",
     )
