@@ -8,8 +8,13 @@ class PagedServeError(Exception):
 class InvalidRequestError(PagedServeError, ValueError):
     """Bad user input (prompt too long, invalid sampling parameters, ...). HTTP 400.
 
-    Subclasses `ValueError` so that offline users can catch the usual Python error.
+    Subclasses `ValueError` so that offline users can catch the usual Python error. `param`
+    names the request field at fault (the OpenAI error body's "param"), when one is.
     """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineOverloadedError(PagedServeError):

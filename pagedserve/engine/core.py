@@ -41,7 +41,8 @@ def check_fits_cache(
     if cdiv(num_tokens, block_size) > num_blocks:
         raise InvalidRequestError(
             f"the request needs up to {num_tokens} tokens of KV cache but the whole cache "
-            f"holds {num_blocks * block_size}; lower max_tokens or shorten the prompt"
+            f"holds {num_blocks * block_size}; lower max_tokens or shorten the prompt",
+            "max_tokens",
         )
 
 

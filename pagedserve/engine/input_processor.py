@@ -34,6 +34,7 @@ class InputProcessor:
         """max_logprobs: most logprobs or prompt_logprobs a request may ask for (-1: the
         vocabulary size)."""
         self.tokenizer = tokenizer
+        self._longest_token: int | None = None
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
@@ -49,18 +50,20 @@ class InputProcessor:
         max_model_len, or more logprobs than max_logprobs."""
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
+            raise InvalidRequestError("the prompt is empty; give at least one token", "prompt")
         token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                "prompt",
             )
         num_prompt_tokens = len(token_ids)
         if num_prompt_tokens >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt ({num_prompt_tokens} tokens) is too long: it must be shorter than "
-                f"max_model_len ({self.max_model_len}) to leave room for one output token"
+                f"max_model_len ({self.max_model_len}) to leave room for one output token",
+                "prompt",
             )
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -69,7 +72,8 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
                 f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len}); "
-                f"shorten the prompt or lower max_tokens"
+                f"shorten the prompt or lower max_tokens",
+                "max_tokens",
             )
         self._check_sampling_params(params)
         resolved = dataclasses.replace(
@@ -87,7 +91,8 @@ class InputProcessor:
         if num_kept > self.max_model_len:
             raise InvalidRequestError(
                 f"truncate_prompt_tokens ({num_kept}) is larger than max_model_len "
-                f"({self.max_model_len}); lower it"
+                f"({self.max_model_len}); lower it",
+                "truncate_prompt_tokens",
             )
         return token_ids[-num_kept:]
 
@@ -103,14 +108,16 @@ class InputProcessor:
             if bad:
                 raise InvalidRequestError(
                     f"{name} contains token id {bad[0]}, outside the vocabulary "
-                    f"[0, {self.vocab_size})"
+                    f"[0, {self.vocab_size})",
+                    name,
                 )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise InvalidRequestError(
                     f"{name} ({value}) is more than max_logprobs ({self.max_logprobs}); ask for "
-                    f"fewer, or start the engine with a larger max_logprobs"
+                    f"fewer, or start the engine with a larger max_logprobs",
+                    name,
                 )
 
     def _bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
@@ -119,7 +126,9 @@ class InputProcessor:
         if not bad_words:
             return None
         if self.tokenizer is None:
-            raise InvalidRequestError("bad_words needs a tokenizer; this engine has none")
+            raise InvalidRequestError(
+                "bad_words needs a tokenizer; this engine has none", "bad_words"
+            )
         words: list[list[int]] = []
         for word in bad_words:
             plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
@@ -133,7 +142,8 @@ class InputProcessor:
         if bad:
             raise InvalidRequestError(
                 f"bad_words tokenize to token id {bad[0]}, outside the model's vocabulary "
-                f"[0, {self.vocab_size})"
+                f"[0, {self.vocab_size})",
+                "bad_words",
             )
         return words
 
@@ -146,24 +156,50 @@ class InputProcessor:
                 if not isinstance(token_ids, list | tuple) or not all(
                     isinstance(t, int) for t in token_ids
                 ):
-                    raise InvalidRequestError("prompt_token_ids must be a list of ints")
+                    raise InvalidRequestError("prompt_token_ids must be a list of ints", "prompt")
                 return prompt.get("prompt"), list(token_ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return prompt["prompt"], self._encode(prompt["prompt"])
         raise InvalidRequestError(
             "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
-            f"got {type(prompt).__name__}"
+            f"got {type(prompt).__name__}",
+            "prompt",
         )
 
     def _encode(self, text: str) -> list[int]:
         if not text:  # would tokenize to a lone BOS: reject instead of generating from nothing
-            raise InvalidRequestError("the prompt is empty; give at least one character")
+            raise InvalidRequestError("the prompt is empty; give at least one character", "prompt")
         if self.tokenizer is None:
-            raise InvalidRequestError("this engine has no tokenizer; pass prompt_token_ids")
+            raise InvalidRequestError(
+                "this engine has no tokenizer; pass prompt_token_ids", "prompt"
+            )
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise InvalidRequestError(
-                f"the prompt is not valid Unicode: a lone surrogate at character {e.start}"
+                f"the prompt is not valid Unicode: a lone surrogate at character {e.start}",
+                "prompt",
             ) from None
+        # No token covers more than `longest` characters, so a text longer than
+        # max_model_len * longest cannot fit: refuse it before spending seconds and memory
+        # on tokenizing megabytes.
+        longest = self._longest_token_chars()
+        if longest is not None and len(text) > self.max_model_len * longest:
+            raise InvalidRequestError(
+                f"the prompt ({len(text)} characters) is too long: this tokenizer's tokens "
+                f"hold at most {longest} characters, so it is more than max_model_len "
+                f"({self.max_model_len}) tokens",
+                "prompt",
+            )
         return list(self.tokenizer.encode(text))
+
+    def _longest_token_chars(self) -> int | None:
+        """Characters in the tokenizer's longest vocabulary entry (byte-level BPE spells each
+        byte as one character, SentencePiece a space as one), or None if it has no vocab."""
+        if self._longest_token is None:
+            try:
+                vocab = self.tokenizer.get_vocab()
+            except (AttributeError, NotImplementedError):
+                return None
+            self._longest_token = max((len(token) for token in vocab), default=0) or None
+        return self._longest_token

@@ -375,3 +375,17 @@ def test_engine_options_fail_at_start_naming_the_option(kwargs: dict, words: str
 def test_a_path_object_names_the_model() -> None:
     llm = LLM(Path(DEFAULT_MODEL), device="cpu", kv_cache_memory_bytes=1 << 20)
     assert llm.generate("Once", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_megabyte_prompts_are_refused_before_tokenizing(llm: LLM) -> None:
+    """A 20 MB prompt used to be tokenized in full (17 s, +1.7 GB on the server) before the
+    length check; no token is longer than the vocabulary's longest entry, so the character
+    count alone proves it too long."""
+    longest = llm.llm_engine.input_processor._longest_token_chars()
+    assert longest is not None and longest >= 2
+    too_long = "ab" * (512 * longest)  # max_model_len 512 of the fixture
+    with pytest.raises(ValueError, match=r"\(\d+ characters\) is too long"):
+        llm.generate(too_long, SamplingParams(max_tokens=2), use_tqdm=False)
+    # Under the bound, the exact count decides, as before.
+    with pytest.raises(ValueError, match=r"tokens\) is too long"):
+        llm.generate("ab " * 400, SamplingParams(max_tokens=2), use_tqdm=False)

@@ -74,7 +74,7 @@ def to_openai_error(exc: Exception) -> OpenAIError:
         return exc
     if isinstance(exc, InvalidRequestError):
         match = re.match(r"SamplingParams\.(\w+)", str(exc))
-        return OpenAIError(400, str(exc), match.group(1) if match else None)
+        return OpenAIError(400, str(exc), exc.param or (match.group(1) if match else None))
     if isinstance(exc, EngineOverloadedError):
         return OpenAIError(429, str(exc))
     if isinstance(exc, EngineDeadError):

@@ -70,6 +70,14 @@ def test_invalid_json_is_400(server: Any) -> None:
         ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
         ({"prompt": "x", "logit_bias": {"not-a-token": 1}}, "logit_bias"),
         ({"prompt": []}, "prompt"),
+        # checks after tokenizing name the field too (they said "param": null)
+        ({"prompt": "x", "max_tokens": 5000}, "max_tokens"),
+        ({"prompt": [[1, 10**7]]}, "prompt"),
+        ({"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids"),
+        ({"prompt": "x", "allowed_token_ids": [10**7]}, "allowed_token_ids"),
+        ({"prompt": "x", "truncate_prompt_tokens": 5000}, "truncate_prompt_tokens"),
+        ({"prompt": "x", "n": 10**6}, "n"),
+        ({"prompt": "x", "repetition_penalty": 1e-300}, "repetition_penalty"),
     ],
 )
 def test_invalid_fields_are_400(server: Any, body: dict[str, Any], param: str) -> None:
