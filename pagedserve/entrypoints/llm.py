@@ -71,9 +71,15 @@ class LLM:
         sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
         Raises ValueError on bad input before any request starts.
         """
-        prompt_list: list[PromptType] = (
-            [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        )
+        if isinstance(prompts, str | dict):
+            prompt_list: list[PromptType] = [prompts]
+        elif isinstance(prompts, Sequence) and not isinstance(prompts, bytes):
+            prompt_list = list(prompts)
+        else:
+            raise InvalidRequestError(
+                f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}",
+                "prompt",
+            )
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
 
@@ -184,11 +190,21 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num
+        if not isinstance(sampling_params, Sequence):
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}"
+            )
         params_list = list(sampling_params)
         if len(params_list) != num:
             raise ValueError(
                 f"got {len(params_list)} SamplingParams for {num} prompts; "
                 "give one, or one per prompt"
+            )
+        wrong = [p for p in params_list if not isinstance(p, SamplingParams)]
+        if wrong:
+            raise InvalidRequestError(
+                f"sampling_params must be SamplingParams objects, got {type(wrong[0]).__name__}"
             )
         return params_list
 

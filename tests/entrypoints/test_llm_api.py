@@ -389,3 +389,23 @@ def test_megabyte_prompts_are_refused_before_tokenizing(llm: LLM) -> None:
     # Under the bound, the exact count decides, as before.
     with pytest.raises(ValueError, match=r"tokens\) is too long"):
         llm.generate("ab " * 400, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "words"),
+    [
+        (None, None, "prompts must be a string, a dict or a list"),
+        (123, None, "got int"),
+        (b"abc", None, "got bytes"),
+        (["Once"], {"temperature": 0}, "sampling_params must be a SamplingParams or a list"),
+        (["Once"], [None], "must be SamplingParams objects, got NoneType"),
+    ],
+)
+def test_wrong_argument_types_are_value_errors(
+    llm: LLM, prompts: object, params: object, words: str
+) -> None:
+    """They were TypeErrors from inside (`not iterable`, `replace() should be called on
+    dataclass instances`), and bytes were iterated as ints."""
+    with pytest.raises(ValueError, match=words):
+        llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
+    assert not llm.llm_engine.has_unfinished_requests()
