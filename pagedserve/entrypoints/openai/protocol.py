@@ -93,6 +93,19 @@ class SamplingFields(RequestModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    # Not implemented (structured outputs, tool calling): parsed so that a request that sets
+    # them gets a 400 saying so, instead of an answer made without them.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
 
 
 class CompletionRequest(SamplingFields):

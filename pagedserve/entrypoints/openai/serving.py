@@ -106,6 +106,35 @@ def _logit_bias(request: SamplingFields) -> dict[int, float] | None:
         raise OpenAIError(400, "logit_bias keys must be token ids", "logit_bias") from None
 
 
+# Values of the unimplemented fields that ask for nothing (clients send them by default).
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+}
+
+
+def check_unsupported(request: SamplingFields) -> None:
+    """400 for structured outputs, tool calling and custom logits processors, which
+    pagedserve does not implement yet: serving such a request without them would return
+    output that silently breaks the asked-for format."""
+    for name in (
+        "response_format", "tools", "tool_choice", "functions", "function_call",
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+        "logits_processors",
+    ):  # fmt: skip
+        value = getattr(request, name)
+        if value not in _NO_OP_VALUES.get(name, (None,)):
+            raise OpenAIError(
+                400,
+                f"{name} is not supported by pagedserve yet (structured outputs, tool calling "
+                f"and logits processors are not implemented); remove it from the request",
+                name,
+            )
+
+
 def sampling_params(
     request: SamplingFields,
     max_tokens: int | None,
@@ -113,7 +142,9 @@ def sampling_params(
     best_of: int | None = None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """SamplingParams of a request (raises InvalidRequestError naming the bad field)."""
+    """SamplingParams of a request (raises InvalidRequestError naming the bad field, and
+    OpenAIError 400 for a feature we do not implement)."""
+    check_unsupported(request)
     return SamplingParams(
         n=request.n,
         best_of=best_of,

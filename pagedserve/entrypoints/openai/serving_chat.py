@@ -104,6 +104,13 @@ class OpenAIServingChat:
         check_model(request.model, self.served_model_names)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if request.chat_template is not None:  # vLLM without --trust-request-chat-template
+            raise OpenAIError(
+                400,
+                "a chat_template in the request is not accepted (a template runs code on the "
+                "server); start the server with --chat-template instead",
+                "chat_template",
+            )
         text, token_ids = await asyncio.to_thread(  # off the event loop, as for completions
             render_chat,
             self.tokenizer,

@@ -95,6 +95,37 @@ def test_chat_errors_are_400(server: Any) -> None:
     assert_error(server.post("/v1/chat/completions", top_only), 400, "logprobs")
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_choice": ["a", "b"]}, "guided_choice"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ],
+)
+def test_unimplemented_features_are_400_not_ignored(
+    server: Any, extra: dict[str, Any], param: str
+) -> None:
+    """They were ignored: a request for JSON got free text, with status 200."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra}
+    error = assert_error(server.post("/v1/chat/completions", body), 400, param)
+    assert error["param"] == param
+
+
+def test_no_op_values_of_unimplemented_fields_are_fine(server: Any) -> None:
+    """What clients send by default asks for nothing and must keep working."""
+    no_ops = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **no_ops}
+    assert server.post("/v1/chat/completions", body).status_code == 200
+    completion = {"prompt": "x", "max_tokens": 2, "response_format": {"type": "text"}}
+    assert server.post("/v1/completions", completion).status_code == 200
+    bad = {"prompt": "x", "max_tokens": 2, "guided_regex": "[a-z]+"}
+    assert assert_error(server.post("/v1/completions", bad), 400)["param"] == "guided_regex"
+
+
 def test_too_long_is_400_naming_both_numbers(server: Any) -> None:
     num_prompt_tokens = len(server.tokenize(prompt="Once upon a time"))
     max_tokens = 1024 - num_prompt_tokens + 1  # one token too many
