@@ -132,6 +132,11 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        _check(
+            isinstance(self.output_kind, RequestOutputKind),
+            "output_kind",
+            f"must be a RequestOutputKind, got {self.output_kind!r}",
+        )
         limit = envs.max_n_sequences()
         _check(
             self.n <= limit,

@@ -138,8 +138,13 @@ class LLM:
 
     def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
+            token_ids = list(prompt["prompt_token_ids"])
+            if not token_ids:
+                raise InvalidRequestError("the prompt is empty; give at least one token", "prompt")
+            return token_ids
         text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+        if text == "":  # as generate(): would tokenize to a lone BOS
+            raise InvalidRequestError("the prompt is empty; give at least one character", "prompt")
         tokenizer = self.get_tokenizer()
         if not isinstance(text, str) or tokenizer is None:
             raise InvalidRequestError(

@@ -225,6 +225,7 @@ def test_bad_input_raises_value_error_naming_limits(llm: LLM) -> None:
         ({"stop": [""]}, "stop"),
         ({"n": 10**9}, "n"),  # PAGEDSERVE_MAX_N_SEQUENCES (16384), as vLLM's limit
         ({"n": 2, "best_of": 16385}, "best_of"),
+        ({"output_kind": "delta"}, "output_kind"),
     ],
 )
 def test_invalid_sampling_params(kwargs: dict, field: str) -> None:

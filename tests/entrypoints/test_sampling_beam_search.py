@@ -138,3 +138,10 @@ def test_beam_width_needs_room_in_max_logprobs(llm: LLM) -> None:
         llm.beam_search(["Once"], BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(InvalidRequestError, match=r"BeamSearchParams\.beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=2)
+
+
+@pytest.mark.parametrize("prompt", ["", {"prompt_token_ids": []}])
+def test_empty_prompts_are_refused_as_generate_does(llm: LLM, prompt: object) -> None:
+    """An empty string used to tokenize to a lone BOS and generate from it."""
+    with pytest.raises(InvalidRequestError, match="the prompt is empty"):
+        llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=2))  # type: ignore[list-item]
