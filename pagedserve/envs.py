@@ -13,7 +13,7 @@ def max_n_sequences() -> int:
     default 16384 (vLLM's VLLM_MAX_N_SEQUENCES). Each sequence is an engine request with its
     own state, so an unbounded n lets one request exhaust host memory. Raises ValueError when
     the variable is not a positive integer."""
-    raw = os.environ.get("PAGEDSERVE_MAX_N_SEQUENCES", "16384")
+    raw = os.environ.get("PAGEDSERVE_MAX_N_SEQUENCES") or "16384"  # empty: unset
     try:
         value = int(raw)
     except ValueError:

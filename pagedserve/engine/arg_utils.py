@@ -1,6 +1,7 @@
 """EngineArgs: the flat list of user-facing engine options (vLLM's names) -> EngineConfig."""
 
 import json
+import numbers
 import os
 import re
 import typing
@@ -33,7 +34,7 @@ def default_max_num_batched_tokens(usage_context: str, device: str) -> int:
     `LLM` class on a GPU with >= 70 GiB that is not an A100 (H100, H200, ...), else 8192.
     (vLLM's server on smaller GPUs defaults to 2048; ours keeps 8192 there.) Measured on an
     H200: Llama-3.1-8B 2,000 x 128/128 +3-4% output tok/s over 8192 (BENCHMARKS.md)."""
-    if usage_context != "llm_class" or device == "cpu":
+    if usage_context != "llm_class" or device.startswith("cpu"):
         return 8192
     import torch
 
@@ -164,34 +165,49 @@ class EngineArgs:
         )
 
     def _check_types(self) -> None:
-        """Every option has its annotated type (an int is not a float here, nor a bool an
-        int), so that a wrong type fails now, naming the option, not deep inside the engine.
-        Raises ValueError."""
+        """Every option has its annotated type, so that a wrong one fails now, naming the
+        option, not deep inside the engine. Any integral number (numpy's too) is an int, any
+        real number a float, and 0/1 a bool; they are normalised to Python's types. A bool is
+        not an int here, nor a float an int. Raises ValueError."""
         for f in fields(self):
             value = getattr(self, f.name)
             allowed = typing.get_args(f.type) or (f.type,)
             if value is None and type(None) in allowed:
                 continue
-            ok = False
-            for kind in allowed:
-                if kind is bool:
-                    ok |= isinstance(value, bool)
-                elif kind is int:
-                    ok |= isinstance(value, int) and not isinstance(value, bool)
-                elif kind is float:
-                    ok |= isinstance(value, int | float) and not isinstance(value, bool)
-                elif kind is str:
-                    ok |= isinstance(value, str)
-            if not ok:
+            normalised = _as_one_of(value, allowed)
+            if normalised is _WRONG:
                 names = " or ".join(
                     "None" if k is type(None) else getattr(k, "__name__", str(k)) for k in allowed
                 )
                 raise ValueError(f"{f.name} must be {names}, got {value!r}")
+            setattr(self, f.name, normalised)
+
+
+_WRONG = object()
+
+
+def _as_one_of(value: Any, kinds: tuple[Any, ...]) -> Any:
+    """`value` as the first of `kinds` (bool, int, float, str) it is, or _WRONG."""
+    is_bool = isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's too
+    for kind in kinds:
+        if kind is bool:
+            if is_bool:
+                return bool(value)
+            if isinstance(value, numbers.Integral) and value in (0, 1):
+                return bool(value)
+        elif kind is int and isinstance(value, numbers.Integral) and not is_bool:
+            return int(value)
+        elif kind is float and isinstance(value, numbers.Real) and not is_bool:
+            return float(value)
+        elif kind is str and isinstance(value, str):
+            return value
+    return _WRONG
 
 
 def _check_device(device: str) -> None:
-    """ "auto", "cpu", "cuda" or "cuda:N", and CUDA only where torch has it. Raises ValueError."""
-    if device in ("auto", "cpu"):
+    """One of auto, cpu (or cpu:N), cuda or cuda:N, and CUDA only where torch has it.
+    Raises ValueError."""
+    if device in ("auto", "cpu") or re.fullmatch(r"cpu:\d+", device):
         return
     if device != "cuda" and not re.fullmatch(r"cuda:\d+", device):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")

@@ -34,7 +34,6 @@ class InputProcessor:
         """max_logprobs: most logprobs or prompt_logprobs a request may ask for (-1: the
         vocabulary size)."""
         self.tokenizer = tokenizer
-        self._longest_token: int | None = None
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
@@ -48,7 +47,8 @@ class InputProcessor:
         """Raises InvalidRequestError (a ValueError) for an empty prompt, token ids outside
         the vocabulary (prompt or sampling parameters), a prompt (+ max_tokens) longer than
         max_model_len, or more logprobs than max_logprobs."""
-        text, token_ids = self._tokenize(prompt)
+        # A prompt to be truncated may be as long as it likes.
+        text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens is None)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token", "prompt")
         token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
@@ -147,9 +147,11 @@ class InputProcessor:
             )
         return words
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: PromptType, check_length: bool = True
+    ) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self._encode(prompt)
+            return prompt, self._encode(prompt, check_length)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 token_ids = prompt["prompt_token_ids"]
@@ -159,14 +161,14 @@ class InputProcessor:
                     raise InvalidRequestError("prompt_token_ids must be a list of ints", "prompt")
                 return prompt.get("prompt"), list(token_ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self._encode(prompt["prompt"])
+                return prompt["prompt"], self._encode(prompt["prompt"], check_length)
         raise InvalidRequestError(
             "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
             f"got {type(prompt).__name__}",
             "prompt",
         )
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, check_length: bool = True) -> list[int]:
         if not text:  # would tokenize to a lone BOS: reject instead of generating from nothing
             raise InvalidRequestError("the prompt is empty; give at least one character", "prompt")
         if self.tokenizer is None:
@@ -180,26 +182,41 @@ class InputProcessor:
                 f"the prompt is not valid Unicode: a lone surrogate at character {e.start}",
                 "prompt",
             ) from None
-        # No token covers more than `longest` characters, so a text longer than
-        # max_model_len * longest cannot fit: refuse it before spending seconds and memory
-        # on tokenizing megabytes.
-        longest = self._longest_token_chars()
-        if longest is not None and len(text) > self.max_model_len * longest:
-            raise InvalidRequestError(
-                f"the prompt ({len(text)} characters) is too long: this tokenizer's tokens "
-                f"hold at most {longest} characters, so it is more than max_model_len "
-                f"({self.max_model_len}) tokens",
-                "prompt",
-            )
+        if check_length:
+            check_prompt_chars(self.tokenizer, text, self.max_model_len)
         return list(self.tokenizer.encode(text))
 
-    def _longest_token_chars(self) -> int | None:
-        """Characters in the tokenizer's longest vocabulary entry (byte-level BPE spells each
-        byte as one character, SentencePiece a space as one), or None if it has no vocab."""
-        if self._longest_token is None:
-            try:
-                vocab = self.tokenizer.get_vocab()
-            except (AttributeError, NotImplementedError):
-                return None
-            self._longest_token = max((len(token) for token in vocab), default=0) or None
-        return self._longest_token
+
+_longest_token_chars: dict[int, int | None] = {}  # by id(tokenizer)
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """Characters in the longest vocabulary entry of a BPE tokenizer that does not fuse
+    unknown characters (byte-level BPE spells each byte as one character, SentencePiece a
+    space as one; no token decodes to more characters than it spells). None when that bound
+    does not hold: no fast tokenizer, another model, or `fuse_unk` (a run of unknown
+    characters becomes one token)."""
+    key = id(tokenizer)
+    if key not in _longest_token_chars:
+        model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+        longest = None
+        if type(model).__name__ == "BPE" and not getattr(model, "fuse_unk", False):
+            longest = max((len(token) for token in tokenizer.get_vocab()), default=0) or None
+        _longest_token_chars[key] = longest
+    return _longest_token_chars[key]
+
+
+def check_prompt_chars(
+    tokenizer: Any, text: str, max_model_len: int, param: str = "prompt"
+) -> None:
+    """Refuse, before tokenizing, a text too long to be max_model_len tokens: no token covers
+    more than `longest_token_chars` characters. Saves the seconds and memory of tokenizing
+    megabytes only to refuse the result. Raises InvalidRequestError naming `param`."""
+    longest = longest_token_chars(tokenizer)
+    if longest is not None and len(text) > max_model_len * longest:
+        raise InvalidRequestError(
+            f"the prompt ({len(text)} characters) is too long: this tokenizer's tokens hold "
+            f"at most {longest} characters, so it is more than max_model_len "
+            f"({max_model_len}) tokens",
+            param,
+        )

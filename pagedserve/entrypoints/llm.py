@@ -2,7 +2,7 @@
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -73,8 +73,8 @@ class LLM:
         """
         if isinstance(prompts, str | dict):
             prompt_list: list[PromptType] = [prompts]
-        elif isinstance(prompts, Sequence) and not isinstance(prompts, bytes):
-            prompt_list = list(prompts)
+        elif isinstance(prompts, Iterable) and not isinstance(prompts, bytes | bytearray):
+            prompt_list = list(prompts)  # a list, tuple, generator, numpy array, ...
         else:
             raise InvalidRequestError(
                 f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}",
@@ -195,7 +195,9 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num
-        if not isinstance(sampling_params, Sequence):
+        if not isinstance(sampling_params, Iterable) or isinstance(
+            sampling_params, str | bytes | dict
+        ):
             raise InvalidRequestError(
                 f"sampling_params must be a SamplingParams or a list of them, got "
                 f"{type(sampling_params).__name__}"

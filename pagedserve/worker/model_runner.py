@@ -229,8 +229,9 @@ class ModelRunner:
             f"{self.device}; lower kv_cache_memory_bytes, num_gpu_blocks_override or "
             f"gpu_memory_utilization"
         )
-        if self.device.type == "cpu" and num_bytes > _available_ram_bytes():
-            raise ValueError(f"{what} ({_available_ram_bytes() / 2**30:.2f} GiB RAM available)")
+        available = _known_available_ram_bytes()
+        if self.device.type == "cpu" and available is not None and num_bytes > available:
+            raise ValueError(f"{what} ({available / 2**30:.2f} GiB RAM available)")
         try:
             self._allocate_kv_tensors(num_blocks)
         except torch.OutOfMemoryError as e:
@@ -437,6 +438,13 @@ def _to_runner_output(
 
 
 def _available_ram_bytes() -> int:
+    """MemAvailable (Linux), else a guess of 8 GiB: for sizing the default CPU KV cache."""
+    known = _known_available_ram_bytes()
+    return 8 << 30 if known is None else known
+
+
+def _known_available_ram_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where there is none (not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -444,4 +452,4 @@ def _available_ram_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 8 << 30
+    return None

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from pagedserve.entrypoints.cli import build_parser
-from pagedserve.entrypoints.openai.api_server import run_server
+from pagedserve.entrypoints.openai.api_server import _read_chat_template, run_server
 from pagedserve.entrypoints.openai.cli_args import add_server_args, resolve_server_args
 
 FLAGS = [
@@ -74,3 +74,22 @@ def test_out_of_range_server_flags_are_argparse_errors(flags: list[str], capsys)
         build_parser().parse_args(["serve", *flags])
     assert exit_info.value.code == 2
     assert f"argument {flags[0]}" in capsys.readouterr().err
+
+
+def test_chat_templates_compile_as_transformers_does(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """transformers' templates may use loop controls and {% generation %}; a plain jinja2
+    Environment refused both, and with them valid --chat-template files."""
+    template = (
+        "{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}"
+        "{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    )
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert _read_chat_template(str(path)) == template
+    assert _read_chat_template(template) == template
+
+
+def test_port_errors_name_the_flag(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--port", "abc"])
+    assert "invalid port value: 'abc'" in capsys.readouterr().err

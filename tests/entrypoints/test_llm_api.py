@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.arg_utils import DEFAULT_MODEL
+from pagedserve.engine.input_processor import InputProcessor, longest_token_chars
 from pagedserve.errors import InvalidRequestError, UnsupportedModelError
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
@@ -378,18 +380,34 @@ def test_a_path_object_names_the_model() -> None:
     assert llm.generate("Once", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
-def test_megabyte_prompts_are_refused_before_tokenizing(llm: LLM) -> None:
+def test_megabyte_prompts_are_refused_before_tokenizing() -> None:
     """A 20 MB prompt used to be tokenized in full (17 s, +1.7 GB on the server) before the
     length check; no token is longer than the vocabulary's longest entry, so the character
     count alone proves it too long."""
-    longest = llm.llm_engine.input_processor._longest_token_chars()
+    gpt2 = transformers.AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "gpt2")
+    longest = longest_token_chars(gpt2)
     assert longest is not None and longest >= 2
-    too_long = "ab" * (512 * longest)  # max_model_len 512 of the fixture
-    with pytest.raises(ValueError, match=r"\(\d+ characters\) is too long"):
-        llm.generate(too_long, SamplingParams(max_tokens=2), use_tqdm=False)
-    # Under the bound, the exact count decides, as before.
+    processor = InputProcessor(gpt2, max_model_len=512, vocab_size=50257, eos_token_ids=())
+    too_long = "ab" * (512 * longest)
+    with pytest.raises(ValueError, match=r"\(\d+ characters\) is too long") as error:
+        processor.process(too_long, SamplingParams(max_tokens=2))
+    assert error.value.param == "prompt"  # type: ignore[attr-defined]
+    # Under the bound the exact count decides, as before; a prompt to truncate may be long.
     with pytest.raises(ValueError, match=r"tokens\) is too long"):
-        llm.generate("ab " * 400, SamplingParams(max_tokens=2), use_tqdm=False)
+        processor.process("ab " * 600, SamplingParams(max_tokens=2))  # 600 tokens
+    kept = processor.process(too_long, SamplingParams(max_tokens=2, truncate_prompt_tokens=8))
+    assert len(kept.prompt_token_ids) == 8
+
+
+def test_the_character_bound_is_off_where_it_does_not_hold() -> None:
+    """A BPE with fuse_unk and no byte for a character (tinystories-656k) turns a run of
+    unknown characters into one token: 40,000 CJK characters are a handful of tokens there,
+    and must not be refused."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(SHARED / "models" / "tinystories-656k")
+    assert longest_token_chars(tokenizer) is None
+    processor = InputProcessor(tokenizer, max_model_len=512, vocab_size=2048, eos_token_ids=())
+    processed = processor.process("中" * 40000 + " Once", SamplingParams(max_tokens=2))
+    assert len(processed.prompt_token_ids) < 20
 
 
 @pytest.mark.parametrize(
@@ -410,3 +428,27 @@ def test_wrong_argument_types_are_value_errors(
     with pytest.raises(ValueError, match=words):
         llm.generate(prompts, params, use_tqdm=False)  # type: ignore[arg-type]
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_numbers_of_any_kind_and_iterables_are_accepted() -> None:
+    """numpy scalars, 0/1 for flags, cpu:0 and generators all ran before the type checks and
+    must keep running; they are normalised to Python's types."""
+    import numpy as np
+
+    llm = LLM(
+        device="cpu:0", max_model_len=np.int64(256), seed=np.int64(3),
+        gpu_memory_utilization=np.float32(0.5), enable_prefix_caching=0, enforce_eager=1,
+        kv_cache_memory_bytes=np.int64(1 << 20),
+    )  # fmt: skip
+    config = llm.llm_engine.config
+    assert type(config.model_config.max_model_len) is int
+    assert config.cache_config.enable_prefix_caching is False
+    prompts = (p for p in ["Once", "The dog"])
+    params = (SamplingParams(max_tokens=2) for _ in range(2))
+    assert len(llm.generate(prompts, params, use_tqdm=False)) == 2
+    assert len(llm.generate(np.array(["Once", "Hi"]), use_tqdm=False)) == 2
+
+
+def test_an_empty_max_n_sequences_variable_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_MAX_N_SEQUENCES", "")
+    assert SamplingParams(n=16384).n == 16384

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedserve import __version__
+from pagedserve import __version__, envs
 from pagedserve.errors import PagedServeError
 
 from .protocol import (
@@ -220,7 +220,13 @@ def _read_chat_template(value: str | None) -> str | None:
     import jinja2
 
     try:
-        jinja2.Environment().parse(value)
+        # transformers' own environment: its templates may use {% break %} (loop controls)
+        # and {% generation %}, which a plain jinja2 Environment rejects.
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it: skip the check, apply_chat_template runs
+        return value
+    try:
+        _compile_jinja_template(value)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat-template does not compile: {e} (line {e.lineno})") from None
     return value
@@ -242,6 +248,7 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit("the server needs a tokenizer; drop --skip-tokenizer-init")
     # Bad flags end the command with one line naming them, not a traceback.
     try:
+        envs.max_n_sequences()  # a bad PAGEDSERVE_MAX_N_SEQUENCES fails now, not per request
         chat_template = _read_chat_template(args.chat_template)
         sock = _bind_socket(args.host, args.port)
     except (ValueError, OSError) as e:
@@ -268,7 +275,8 @@ def run_server(args: argparse.Namespace) -> None:
             model_root=args.model,
         )
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
-        logger.info("serving %s on http://%s:%d", args.served_model_name, args.host, args.port)
+        port = sock.getsockname()[1]  # the one the system chose for --port 0
+        logger.info("serving %s on http://%s:%d", args.served_model_name, args.host, port)
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
     finally:
         engine.shutdown()

@@ -8,18 +8,20 @@ from pagedserve import envs
 from pagedserve.engine.arg_utils import add_engine_args
 
 
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
-    return port
+def port(text: str) -> int:
+    """argparse type of --port (its name appears in "invalid port value")."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
 
 
-def _positive_seconds(text: str) -> float:
-    seconds = float(text)
-    if not (math.isfinite(seconds) and seconds > 0):
+def seconds(text: str) -> float:
+    """argparse type of a positive, finite duration."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return seconds
+    return value
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -28,7 +30,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument(
         "--host", default="0.0.0.0", help="address to listen on (default: %(default)s)"
     )
-    server.add_argument("--port", type=_port, default=8000, help="port (default: %(default)s)")
+    server.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
     server.add_argument(
         "--served-model-name",
         nargs="+",
@@ -55,7 +57,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--stats-log-interval",
-        type=_positive_seconds,
+        type=seconds,
         default=10.0,
         help="seconds between throughput log lines (default: %(default)s)",
     )

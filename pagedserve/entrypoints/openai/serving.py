@@ -113,6 +113,7 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
+    "logits_processors": (None, []),
 }
 
 
@@ -126,6 +127,8 @@ def check_unsupported(request: SamplingFields) -> None:
         "logits_processors",
     ):  # fmt: skip
         value = getattr(request, name)
+        if name == "tools" and request.tool_choice == "none":
+            continue  # tools the model must not call: a plain answer, as vLLM gives
         if value not in _NO_OP_VALUES.get(name, (None,)):
             raise OpenAIError(
                 400,

@@ -9,6 +9,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagedserve.engine.async_engine import RequestStream
+from pagedserve.engine.input_processor import check_prompt_chars
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
 from .protocol import (
@@ -46,9 +48,11 @@ def render_chat(
     add_generation_prompt: bool,
     continue_final_message: bool,
     chat_template_kwargs: dict[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and token ids of a conversation.
 
+    `max_model_len` (None: no check) refuses texts too long to fit before encoding them.
     The text is encoded without adding special tokens: the template already holds any BOS
     (encoding it again would double it), so the ids equal `apply_chat_template(...,
     tokenize=True)`. With `continue_final_message` the last (assistant) message is left open
@@ -85,6 +89,8 @@ def render_chat(
         raise OpenAIError(
             400, f"the chat template failed on these messages: {e}", "messages"
         ) from e
+    if max_model_len is not None:  # refuse megabytes before tokenizing them
+        check_prompt_chars(tokenizer, text, max_model_len, "messages")
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -119,6 +125,7 @@ class OpenAIServingChat:
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template_kwargs,
+            None if request.truncate_prompt_tokens is not None else self.engine.max_model_len,
         )
         max_tokens = request.max_completion_tokens
         if max_tokens is None:  # not `or`: max_completion_tokens=0 is an error, not "unset"
@@ -127,7 +134,14 @@ class OpenAIServingChat:
         params = sampling_params(request, max_tokens, logprobs)
         request_id = random_id("chatcmpl")
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
-        streams = add_requests(self.engine, request_id, [prompt], params)
+        try:
+            streams = add_requests(self.engine, request_id, [prompt], params)
+        except InvalidRequestError as e:  # the engine's field names, in chat's words
+            if e.param == "prompt":
+                e.param = "messages"
+            elif e.param == "max_tokens" and request.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"
+            raise
         created = int(time.time())
         watcher = DisconnectWatcher(raw_request, self.engine, streams)
         if request.stream:

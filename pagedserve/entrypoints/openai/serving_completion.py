@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.detokenizer import decode_token_for_logprob
-from pagedserve.engine.input_processor import PromptType
+from pagedserve.engine.input_processor import PromptType, check_prompt_chars
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
 from .protocol import (
@@ -106,6 +106,8 @@ class OpenAIServingCompletion:
                 if not item or self.tokenizer is None:
                     prompts.append(item)  # the engine's own error for these cases
                 else:
+                    if request.truncate_prompt_tokens is None:
+                        check_prompt_chars(self.tokenizer, item, self.engine.max_model_len)
                     ids = self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
                     prompts.append({"prompt": item, "prompt_token_ids": ids})
             else:

@@ -117,13 +117,34 @@ def test_unimplemented_features_are_400_not_ignored(
 
 def test_no_op_values_of_unimplemented_fields_are_fine(server: Any) -> None:
     """What clients send by default asks for nothing and must keep working."""
-    no_ops = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
+    no_ops = {"response_format": {"type": "text"}, "tools": [], "logits_processors": []}
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **no_ops}
     assert server.post("/v1/chat/completions", body).status_code == 200
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {"messages": body["messages"], "max_tokens": 2, "tools": tools, "tool_choice": "none"}
+    assert server.post("/v1/chat/completions", body).status_code == 200  # must not call them
     completion = {"prompt": "x", "max_tokens": 2, "response_format": {"type": "text"}}
     assert server.post("/v1/completions", completion).status_code == 200
     bad = {"prompt": "x", "max_tokens": 2, "guided_regex": "[a-z]+"}
     assert assert_error(server.post("/v1/completions", bad), 400)["param"] == "guided_regex"
+
+
+def test_megabyte_prompts_are_400_before_tokenizing(server: Any) -> None:
+    """The server tokenizes prompts itself, so it needs the character bound too (a 20 MB
+    prompt took 17 s of tokenizing before its 400)."""
+    huge = "ab" * 1_000_000
+    error = assert_error(server.post("/v1/completions", {"prompt": huge}), 400, "characters")
+    assert error["param"] == "prompt"
+    chat = {"messages": [{"role": "user", "content": huge}]}
+    error = assert_error(server.post("/v1/chat/completions", chat), 400, "characters")
+    assert error["param"] == "messages"
+
+
+def test_chat_400s_name_chat_fields(server: Any) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        body = {"messages": messages, field: 5000}
+        assert assert_error(server.post("/v1/chat/completions", body), 400)["param"] == field
 
 
 def test_too_long_is_400_naming_both_numbers(server: Any) -> None:
