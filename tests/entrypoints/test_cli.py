@@ -93,3 +93,11 @@ def test_port_errors_name_the_flag(capsys) -> None:  # type: ignore[no-untyped-d
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--port", "abc"])
     assert "invalid port value: 'abc'" in capsys.readouterr().err
+
+
+def test_a_bad_max_n_sequences_variable_fails_at_start(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """It used to start, then fail every request with a 500."""
+    monkeypatch.setenv("PAGEDSERVE_MAX_N_SEQUENCES", "many")
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--port", "0"])
+    with pytest.raises(SystemExit, match="PAGEDSERVE_MAX_N_SEQUENCES must be a positive"):
+        run_server(args)
