@@ -179,10 +179,7 @@ class EngineCoreClient:
             with contextlib.suppress(zmq.ZMQError):
                 self._input.send(pack(["shutdown"]), flags=zmq.DONTWAIT)
             self.process.join(_SHUTDOWN_TIMEOUT_S)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(_SHUTDOWN_TIMEOUT_S)
-        if self.process.is_alive():
+        if self.process.is_alive():  # it ignores SIGTERM (see core_proc.run): kill it
             self.process.kill()
             self.process.join()
         for socket in (self._input, self._output):

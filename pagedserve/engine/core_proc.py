@@ -111,7 +111,10 @@ def run_engine_core(
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s (EngineCore) %(name)s: %(message)s"
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us
+    # Ctrl-C, or a SIGTERM sent to the whole process group (timeout, systemd), reaches the
+    # server too, which then stops us with "shutdown": dying first would look like a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         from pagedserve.engine.arg_utils import EngineArgs
         from pagedserve.engine.core import EngineCore

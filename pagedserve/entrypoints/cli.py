@@ -12,17 +12,23 @@ def _generate(args: argparse.Namespace) -> int:
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.sampling_params import SamplingParams
 
-    llm = LLM.from_engine_args(engine_args_from_namespace(args))
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sampling_seed,
-        stop=args.stop or None,
-    )
-    prompts = args.prompt or ["Once upon a time"]
-    for output in llm.generate(prompts, params, use_tqdm=False):
+    # Bad values end the command with one line naming them (sampling ones before the model
+    # loads), not a traceback.
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.sampling_seed,
+            stop=args.stop or None,
+        )
+        llm = LLM.from_engine_args(engine_args_from_namespace(args))
+        prompts = args.prompt or ["Once upon a time"]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    except ValueError as e:
+        raise SystemExit(f"pagedserve generate: error: {e}") from None
+    for output in outputs:
         completion = output.outputs[0]
         print(
             f"--- prompt: {output.prompt!r} ({completion.finish_reason}, "

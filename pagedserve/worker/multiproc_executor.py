@@ -242,7 +242,10 @@ def run_worker(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(levelname)s (Worker TP{rank}) %(name)s: %(message)s",
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
+    # Ctrl-C or a SIGTERM to the process group reaches the engine too, which stops us; we
+    # also exit when it is gone (_exit_with_engine).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_engine, args=(engine_alive,), daemon=True).start()
     try:
         worker = Worker(config, rank, rank, distributed_init_method)

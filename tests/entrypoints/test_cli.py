@@ -5,6 +5,7 @@ import argparse
 import pytest
 
 from pagedserve.entrypoints.cli import build_parser
+from pagedserve.entrypoints.cli import main as cli_main
 from pagedserve.entrypoints.openai.api_server import _read_chat_template, run_server
 from pagedserve.entrypoints.openai.cli_args import add_server_args, resolve_server_args
 
@@ -101,3 +102,19 @@ def test_a_bad_max_n_sequences_variable_fails_at_start(monkeypatch) -> None:  # 
     args = build_parser().parse_args(["serve", "--device", "cpu", "--port", "0"])
     with pytest.raises(SystemExit, match="PAGEDSERVE_MAX_N_SEQUENCES must be a positive"):
         run_server(args)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--max-tokens", "0"], "SamplingParams.max_tokens must be at least 1"),
+        (["--temperature", "-1"], "SamplingParams.temperature must be >= 0"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be positive"),
+    ],
+)
+def test_bad_generate_flags_end_with_one_line(flags: list[str], words: str) -> None:
+    """They printed a traceback (and the sampling ones only after loading the model)."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["generate", "--device", "cpu", *flags])
+    message = str(exit_info.value.code)
+    assert message.startswith("pagedserve generate: error: ") and words in message

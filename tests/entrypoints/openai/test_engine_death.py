@@ -101,3 +101,23 @@ def test_killed_engine_core_fails_everything_promptly(doomed: Any, sse: Any) -> 
     chat = doomed.post("/v1/chat/completions", {"messages": MESSAGES, "stream": True}, timeout=5)
     assert chat.status_code == 503
     assert time.monotonic() - start < 3.0
+
+
+def test_sigterm_to_the_process_group_is_a_clean_stop(server_factory: Any) -> None:
+    """timeout(1) and systemd signal the whole group: the engine core died of the SIGTERM
+    before the server stopped it, and the server logged "engine failed" for a normal stop."""
+    running = server_factory("llama3")
+    try:
+        core = engine_core_pid(running.process.pid)
+        ok = running.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+        os.killpg(running.process.pid, signal.SIGTERM)
+        assert running.process.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises it
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{core}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{core}").exists()
+        log = running.log_path.read_text()
+        assert "engine failed" not in log and "ERROR" not in log, log[-3000:]
+    finally:
+        running.stop()
