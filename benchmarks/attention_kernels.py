@@ -16,13 +16,13 @@ import argparse
 import itertools
 import json
 import math
-import subprocess
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from benchmarks.common import git_commit
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.triton_backend import (
     AttentionPlan,
@@ -41,14 +41,6 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = MODELS["llama3-8b"]  # set by --model
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
-
-
-def _commit() -> str:
-    try:
-        git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True)
-        return git.stdout.decode().strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def copy_bandwidth() -> float:
@@ -320,7 +312,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     header = dict(
-        gpu=torch.cuda.get_device_name(), commit=_commit(), model=args.model,
+        gpu=torch.cuda.get_device_name(), commit=git_commit(), model=args.model,
         torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE), num_heads=NUM_HEADS,
         num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
     )  # fmt: skip

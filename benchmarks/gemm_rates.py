@@ -15,7 +15,6 @@ candidate algorithms for it (torch.cuda.tunable).
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import git_commit  # noqa: E402
 from benchmarks.presets import PRESETS  # noqa: E402
-
-
-def _commit() -> str:
-    try:
-        git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True)
-        return git.stdout.decode().strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def layer_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -65,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     dtype, device = torch.bfloat16, "cuda"
     torch.manual_seed(0)
-    header = dict(gpu=torch.cuda.get_device_name(), commit=_commit(), torch=torch.__version__,
+    header = dict(gpu=torch.cuda.get_device_name(), commit=git_commit(), torch=torch.__version__,
                   preset=args.preset, dtype=str(dtype))  # fmt: skip
 
     a = torch.randn(8192, 8192, dtype=dtype, device=device)

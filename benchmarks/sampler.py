@@ -12,7 +12,6 @@ top-k + top-p + seed + logprobs, logit_bias + min_tokens. Prints one JSON line p
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import git_commit  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.step import ScheduledRequest  # noqa: E402
 from pagedserve.worker.sampler import Sampler  # noqa: E402
@@ -95,7 +95,7 @@ def bench(mix: str, args: argparse.Namespace) -> dict:
         "mix": mix,
         "device": device_name(device),
         "torch_threads": torch.get_num_threads(),
-        "commit": commit(),
+        "commit": git_commit(),
         "num_requests": args.num_requests,
         "vocab_size": args.vocab_size,
         "iters": args.iters,
@@ -115,15 +115,6 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({torch.get_num_threads()} threads)"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ request at a time on the same model (the classic baseline); with --hf-batch, tra
 import argparse
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import git_commit  # noqa: E402
 from benchmarks.presets import PRESETS, materialize  # noqa: E402
 
 
@@ -239,12 +239,7 @@ def main() -> None:
     for name, r in results.items():
         if name != "pagedserve":
             print(f"speed-up over {name}: {r['seconds'] / ours:.1f}x")
-    commit = subprocess.run(
-        ["git", "describe", "--always", "--dirty"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).parent,
-    ).stdout.strip()
+    commit = git_commit()
     print(
         json.dumps(
             {
