@@ -40,8 +40,7 @@ def default_max_num_batched_tokens(usage_context: str, device: str) -> int:
 
     if not torch.cuda.is_available():
         return 8192
-    index = torch.device(device).index if device.startswith("cuda:") else 0
-    props = torch.cuda.get_device_properties(index or 0)
+    props = torch.cuda.get_device_properties(_cuda_index(device))
     if props.total_memory >= 70 * _GiB and "a100" not in props.name.lower():
         return 16384
     return 8192
@@ -218,11 +217,15 @@ def _check_device(device: str) -> None:
             f"device {device!r} asked for, but torch sees no CUDA GPU "
             f"(torch {torch.__version__}; torch.cuda.is_available() is False)"
         )
-    index = int(device.partition(":")[2] or 0)
-    if index >= torch.cuda.device_count():
+    if _cuda_index(device) >= torch.cuda.device_count():
         raise ValueError(
             f"device {device!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)"
         )
+
+
+def _cuda_index(device: str) -> int:
+    """N of "cuda:N"; 0 for "cuda" and "auto"."""
+    return int(device.partition(":")[2] or 0)
 
 
 def _check_tensor_parallel_size(hf_config: Any, tp_size: int) -> None:

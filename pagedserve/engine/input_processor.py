@@ -1,6 +1,7 @@
 """InputProcessor: tokenize and validate a prompt, resolving its sampling parameters."""
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -187,23 +188,17 @@ class InputProcessor:
         return list(self.tokenizer.encode(text))
 
 
-_longest_token_chars: dict[int, int | None] = {}  # by id(tokenizer)
-
-
+@functools.lru_cache(maxsize=8)  # holds the tokenizer, so its cached bound never goes stale
 def longest_token_chars(tokenizer: Any) -> int | None:
     """Characters in the longest vocabulary entry of a BPE tokenizer that does not fuse
     unknown characters (byte-level BPE spells each byte as one character, SentencePiece a
     space as one; no token decodes to more characters than it spells). None when that bound
     does not hold: no fast tokenizer, another model, or `fuse_unk` (a run of unknown
     characters becomes one token)."""
-    key = id(tokenizer)
-    if key not in _longest_token_chars:
-        model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
-        longest = None
-        if type(model).__name__ == "BPE" and not getattr(model, "fuse_unk", False):
-            longest = max((len(token) for token in tokenizer.get_vocab()), default=0) or None
-        _longest_token_chars[key] = longest
-    return _longest_token_chars[key]
+    model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+    if type(model).__name__ != "BPE" or getattr(model, "fuse_unk", False):
+        return None
+    return max((len(token) for token in tokenizer.get_vocab()), default=0) or None
 
 
 def check_prompt_chars(

@@ -81,8 +81,7 @@ class Worker:
         """Run one step; rank 0 returns the sampled tokens, the other ranks None (the next
         SchedulerOutput carries every token to feed, but for placeholders, which every rank
         takes from its own copy of rank 0's last sample)."""
-        output = self.runner.execute_model(scheduler_output)
-        return output if self.rank == 0 else None
+        return self._answer(self.runner.execute_model_async(scheduler_output))
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Launch this step, then wait for the previous launched step and return its output

@@ -108,6 +108,12 @@ class SamplingFields(RequestModel):
     logits_processors: Any = None
 
 
+UNSUPPORTED_FIELDS = (
+    "response_format", "tools", "tool_choice", "functions", "function_call", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "logits_processors",
+)  # fmt: skip
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16

@@ -16,6 +16,7 @@ from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 from .protocol import (
+    UNSUPPORTED_FIELDS,
     ChatCompletionLogProb,
     CompletionLogProbs,
     ErrorInfo,
@@ -121,11 +122,7 @@ def check_unsupported(request: SamplingFields) -> None:
     """400 for structured outputs, tool calling and custom logits processors, which
     pagedserve does not implement yet: serving such a request without them would return
     output that silently breaks the asked-for format."""
-    for name in (
-        "response_format", "tools", "tool_choice", "functions", "function_call",
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-        "logits_processors",
-    ):  # fmt: skip
+    for name in UNSUPPORTED_FIELDS:
         value = getattr(request, name)
         if name == "tools" and request.tool_choice == "none":
             continue  # tools the model must not call: a plain answer, as vLLM gives
