@@ -50,7 +50,6 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        max_tokens: int,
         arrival_time: float | None = None,
         sharing_group: str | None = None,
         fork_of: str | None = None,
@@ -63,7 +62,11 @@ class Request:
         # even with prefix caching off.
         self.sharing_group = sharing_group
         self.sampling_params = sampling_params
-        self.max_tokens = max_tokens  # resolved: never None here
+        if sampling_params.max_tokens is None:
+            raise ValueError(
+                "a Request needs a resolved max_tokens (InputProcessor.process sets it), got None"
+            )
+        self.max_tokens = sampling_params.max_tokens
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.num_prompt_tokens = len(prompt_token_ids)

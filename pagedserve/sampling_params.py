@@ -15,6 +15,22 @@ _GREEDY_EPSILON = 1e-5  # temperatures below this are treated as greedy, as in v
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 
 
+class _DefaultMaxTokens(int):
+    """vLLM's default max_tokens (16), marked as not chosen by the user: the engine lowers it
+    to what the context leaves after the prompt, where an explicit value that does not fit
+    is an error. An int, so that it reads, compares and prints as 16."""
+
+    __slots__ = ()
+
+
+DEFAULT_MAX_TOKENS: int = _DefaultMaxTokens(16)
+
+
+def is_default_max_tokens(max_tokens: int | None) -> bool:
+    """Whether `max_tokens` is the unchosen default (`DEFAULT_MAX_TOKENS`), not a user's 16."""
+    return isinstance(max_tokens, _DefaultMaxTokens)
+
+
 class RequestOutputKind(Enum):
     """What each RequestOutput of a request carries (vLLM's `output_kind`)."""
 
@@ -43,7 +59,10 @@ class SamplingParams:
     stop, stop_token_ids, ignore_eos, include_stop_str_in_output: stop rules.
     bad_words: words never generated (their last token is banned when the output ends with the
         tokens before it, as in vLLM).
-    max_tokens: output cap (None = up to max_model_len). min_tokens: no EOS or stop token before.
+    max_tokens: output cap. None: up to max_model_len. Left out: 16, lowered to what
+        max_model_len leaves after the prompt (an explicit value that does not fit is an
+        error). The engine resolves it: its requests' params hold the int it runs to.
+    min_tokens: no EOS or stop token before.
     logprobs: top-k logprobs per generated token, plus the sampled token's (at most the engine's
         `max_logprobs`, 20 by default). They are log-softmax of the processed logits: after
         allowed_token_ids, bad_words, min_tokens, logit_bias, the penalties and the temperature
@@ -69,7 +88,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     ignore_eos: bool = False
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None

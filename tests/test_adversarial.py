@@ -102,7 +102,7 @@ def test_child_seeds_wrap_within_64_bits() -> None:
     from pagedserve.engine.llm_engine import child_requests
 
     params = SamplingParams(n=3, seed=2**63 - 2, max_tokens=4)
-    seeds = [r.sampling_params.seed for r in child_requests("x", [1, 2], params, 4)]
+    seeds = [r.sampling_params.seed for r in child_requests("x", [1, 2], params)]
     assert seeds == [2**63 - 2, 2**63 - 1, -(2**63)]
     negative = SamplingParams(n=2, seed=-5, max_tokens=4)
-    assert [r.sampling_params.seed for r in child_requests("y", [1], negative, 4)] == [-5, -4]
+    assert [r.sampling_params.seed for r in child_requests("y", [1], negative)] == [-5, -4]

@@ -35,7 +35,7 @@ def make_request(
     """Prompt tokens differ between request ids unless `first_token` makes them equal."""
     params = SamplingParams(max_tokens=max_tokens, eos_token_ids=(2,), **kw)  # type: ignore[arg-type]
     start = first_token if first_token is not None else 10 + sum(map(ord, request_id)) % 50
-    return Request(request_id, [start + i for i in range(num_prompt)], params, max_tokens)
+    return Request(request_id, [start + i for i in range(num_prompt)], params)
 
 
 def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -253,7 +253,6 @@ def test_random_operations_keep_invariants(
                     f"r{op}",
                     prompt,
                     params,
-                    max_tokens,
                     sharing_group=group,
                     fork_of=leader.request_id if leader is not None else None,
                 )

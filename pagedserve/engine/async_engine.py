@@ -162,7 +162,7 @@ class AsyncLLMEngine:
                 "Added request %s: %d prompt tokens, max_tokens %d, %s",
                 request_id,
                 num_prompt_tokens,
-                processed.max_tokens,
+                processed.sampling_params.max_tokens,
                 params,
             )
         return stream

@@ -128,7 +128,6 @@ class EngineCoreClient:
                 r.request_id,
                 r.prompt_token_ids,
                 encode_sampling_params(r.sampling_params),
-                r.max_tokens,
                 r.sharing_group,
                 r.fork_of,
             ]

@@ -4,9 +4,9 @@ Requests and outputs cross as msgpack arrays of plain data (token ids, counts, s
 first item names the message:
 
     server -> core (PUSH/PULL, "input"):
-        ["add", [[request_id, prompt_token_ids, params, max_tokens, sharing_group, fork_of],
-            ...]]
-            params: the SamplingParams fields by name (`encode_sampling_params`)
+        ["add", [[request_id, prompt_token_ids, params, sharing_group, fork_of], ...]]
+            params: the SamplingParams fields by name (`encode_sampling_params`), max_tokens
+                resolved
         ["abort", [request_id, ...]]    free now; the caller has forgotten them
         ["finish", [request_id, ...]]   a stop string matched: finish as FINISHED_STOPPED
         ["shutdown"]
@@ -193,12 +193,11 @@ class _CoreLoop:
         kind = message[0]
         if kind == "add":
             now = time.monotonic()
-            for request_id, prompt_token_ids, params, max_tokens, group, fork_of in message[1]:
+            for request_id, prompt_token_ids, params, group, fork_of in message[1]:
                 request = Request(
                     request_id,
                     prompt_token_ids,
                     decode_sampling_params(params),
-                    max_tokens,
                     now,
                     sharing_group=group,
                     fork_of=fork_of,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.errors import InvalidRequestError
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, is_default_max_tokens
 
 # A prompt as vLLM accepts it: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
 PromptType = str | Mapping[str, Any]
@@ -17,8 +17,8 @@ PromptType = str | Mapping[str, Any]
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams  # with the model's EOS ids filled in
-    max_tokens: int  # resolved (never None)
+    # Resolved: max_tokens an int (never None), the model's EOS ids and bad words' ids filled in
+    sampling_params: SamplingParams
 
 
 class InputProcessor:
@@ -45,13 +45,21 @@ class InputProcessor:
         self.eos_token_ids = tuple(ids)
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
-        """Raises InvalidRequestError (a ValueError) for an empty prompt, token ids outside
-        the vocabulary (prompt or sampling parameters), a prompt (+ max_tokens) longer than
+        """Tokenize and check a prompt, and resolve its sampling parameters: max_tokens
+        becomes the int the request runs to (`resolve_max_tokens`).
+
+        Raises InvalidRequestError (a ValueError) for a prompt with no tokens (an empty text
+        is one token where the tokenizer adds BOS), token ids outside the vocabulary (prompt
+        or sampling parameters), a prompt (+ an explicit max_tokens) longer than
         max_model_len, or more logprobs than max_logprobs."""
         # A prompt to be truncated may be as long as it likes.
         text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens is None)
         if not token_ids:
-            raise InvalidRequestError("the prompt is empty; give at least one token", "prompt")
+            raise InvalidRequestError(
+                "the prompt is empty: it has no tokens (an empty text has none where the "
+                "tokenizer adds no BOS); give at least one token",
+                "prompt",
+            )
         token_ids = self._truncate(token_ids, params.truncate_prompt_tokens)
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -66,9 +74,27 @@ class InputProcessor:
                 f"max_model_len ({self.max_model_len}) to leave room for one output token",
                 "prompt",
             )
+        max_tokens = self.resolve_max_tokens(params, num_prompt_tokens)
+        self._check_sampling_params(params)
+        resolved = dataclasses.replace(
+            params,
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+        )
+        return ProcessedPrompt(text, token_ids, resolved)
+
+    def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
+        """The output tokens a request may generate: what the context leaves after the prompt
+        for max_tokens=None; the default (16, left out) capped to that, as vLLM's
+        `get_max_tokens` caps it; an explicit value as given. Raises InvalidRequestError when
+        an explicit value does not fit, or min_tokens is more than what is left."""
+        room = self.max_model_len - num_prompt_tokens
         max_tokens = params.max_tokens
         if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt_tokens
+            max_tokens = room
+        elif is_default_max_tokens(max_tokens):
+            max_tokens = min(max_tokens, room)
         elif num_prompt_tokens + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
@@ -76,13 +102,14 @@ class InputProcessor:
                 f"shorten the prompt or lower max_tokens",
                 "max_tokens",
             )
-        self._check_sampling_params(params)
-        resolved = dataclasses.replace(
-            params,
-            eos_token_ids=self.eos_token_ids,
-            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
-        )
-        return ProcessedPrompt(text, token_ids, resolved, max_tokens)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) is more than the prompt "
+                f"({num_prompt_tokens} tokens) leaves of max_model_len ({self.max_model_len}): "
+                f"{room} tokens; shorten the prompt or lower min_tokens",
+                "min_tokens",
+            )
+        return int(max_tokens)  # a plain int: the marker of the default has done its work
 
     def _truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
         """Keep the last `truncate_prompt_tokens` tokens (-1: max_model_len), as vLLM."""
@@ -170,8 +197,6 @@ class InputProcessor:
         )
 
     def _encode(self, text: str, check_length: bool = True) -> list[int]:
-        if not text:  # would tokenize to a lone BOS: reject instead of generating from nothing
-            raise InvalidRequestError("the prompt is empty; give at least one character", "prompt")
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "this engine has no tokenizer; pass prompt_token_ids", "prompt"

@@ -42,16 +42,16 @@ def child_requests(
     request_id: str,
     prompt_token_ids: list[int],
     params: SamplingParams,
-    max_tokens: int,
     arrival_time: float | None = None,
 ) -> list[Request]:
-    """The engine-core requests of one user request: one, or `best_of` (default n) named
+    """The engine-core requests of one user request (`params` resolved by the
+    InputProcessor: max_tokens an int): one, or `best_of` (default n) named
     "{i}_{request_id}" (seeded children get seed + i, as in vLLM). They share the prompt's full
     blocks through the prefix cache. With best_of > n the children compute the sampled
     token's logprob, which ranks them."""
     num_children = params.best_of or params.n
     if num_children == 1:
-        return [Request(request_id, prompt_token_ids, params, max_tokens, arrival_time)]
+        return [Request(request_id, prompt_token_ids, params, arrival_time)]
     logprobs = params.logprobs
     if num_children > params.n and logprobs is None:
         logprobs = 0
@@ -65,7 +65,6 @@ def child_requests(
                 f"{i}_{request_id}",
                 prompt_token_ids,
                 child_params,
-                max_tokens,
                 arrival_time,
                 sharing_group=request_id,
                 fork_of=None if i == 0 else f"0_{request_id}",
@@ -102,13 +101,11 @@ def register_request(
     engine-core requests and register them with the output processor. Returns them, for the
     caller to hand to the engine core. Raises InvalidRequestError (nothing registered)."""
     processed = input_processor.process(prompt, params)
-    check_fits_cache(len(processed.prompt_token_ids), processed.max_tokens, num_blocks, block_size)
+    max_tokens = processed.sampling_params.max_tokens
+    assert max_tokens is not None  # resolved by the input processor
+    check_fits_cache(len(processed.prompt_token_ids), max_tokens, num_blocks, block_size)
     children = child_requests(
-        request_id,
-        processed.prompt_token_ids,
-        processed.sampling_params,
-        processed.max_tokens,
-        arrival_time,
+        request_id, processed.prompt_token_ids, processed.sampling_params, arrival_time
     )
     check_child_ids_free(request_id, children, output_processor.child_to_parent)
     output_processor.add_request(

@@ -11,6 +11,7 @@ from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from pagedserve.engine.beam_search import BeamSearchOutput, beam_search
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -137,20 +138,22 @@ class LLM:
         return outputs
 
     def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        """Token ids of a beam-search prompt; as generate(), an empty text is a prompt where
+        the tokenizer adds BOS, and only a prompt without tokens is refused."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = list(prompt["prompt_token_ids"])
-            if not token_ids:
-                raise InvalidRequestError("the prompt is empty; give at least one token", "prompt")
-            return token_ids
-        text = prompt if isinstance(prompt, str) else prompt.get("prompt")
-        if text == "":  # as generate(): would tokenize to a lone BOS
-            raise InvalidRequestError("the prompt is empty; give at least one character", "prompt")
-        tokenizer = self.get_tokenizer()
-        if not isinstance(text, str) or tokenizer is None:
-            raise InvalidRequestError(
-                "beam_search prompts are strings, {'prompt': str} or {'prompt_token_ids': [...]}"
-            )
-        return list(tokenizer.encode(text))
+        else:
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+            tokenizer = self.get_tokenizer()
+            if not isinstance(text, str) or tokenizer is None:
+                raise InvalidRequestError(
+                    "beam_search prompts are strings, {'prompt': str} or "
+                    "{'prompt_token_ids': [...]}"
+                )
+            token_ids = list(tokenizer.encode(text))
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token", "prompt")
+        return token_ids
 
     def chat(
         self,
@@ -160,30 +163,30 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template (or `chat_template`) and generate.
+        """Apply the tokenizer's chat template (or `chat_template`) and generate (vLLM's
+        `LLM.chat`); the messages are rendered as the server renders them
+        (`chat_utils.render_chat`).
 
-        messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
-        Raises ValueError when the tokenizer has no chat template and none is given.
+        messages: one conversation (a list of {"role", "content"} dicts; content a string,
+        None, or a list of {"type": "text", "text": ...} parts) or a list of them.
+        chat_template_kwargs: extra variables for the template (e.g. enable_thinking).
+        Raises ValueError when the tokenizer has no chat template and none is given, for a
+        content part other than text, and when the template fails on the messages.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-            raise InvalidRequestError(
-                "this model's tokenizer has no chat template; pass chat_template=... "
-                "or use generate() with a plain prompt"
-            )
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                list(conversation),
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                tokenize=False,
+            text, token_ids = render_chat(
+                tokenizer,
+                conversation,  # type: ignore[arg-type]
+                chat_template,
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
             )
-            # The template already holds any BOS: do not add special tokens a second time.
-            token_ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm)

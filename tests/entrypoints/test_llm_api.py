@@ -197,14 +197,14 @@ def test_bad_input_raises_value_error_naming_limits(llm: LLM) -> None:
             {"prompt_token_ids": [5] * 400}, SamplingParams(max_tokens=200), use_tqdm=False
         )
     with pytest.raises(ValueError, match="empty"):
-        llm.generate("", use_tqdm=False)
+        llm.generate({"prompt_token_ids": []}, use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [1, 99999]}, use_tqdm=False)
     with pytest.raises(ValueError, match="chat template"):
         llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
     # A failing batch leaves nothing behind; the engine still works.
     with pytest.raises(ValueError):
-        llm.generate(["fine", ""], use_tqdm=False)
+        llm.generate(["fine", {"prompt_token_ids": []}], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.generate("Once", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 

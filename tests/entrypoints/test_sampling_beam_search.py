@@ -140,8 +140,10 @@ def test_beam_width_needs_room_in_max_logprobs(llm: LLM) -> None:
         BeamSearchParams(beam_width=0, max_tokens=2)
 
 
-@pytest.mark.parametrize("prompt", ["", {"prompt_token_ids": []}])
-def test_empty_prompts_are_refused_as_generate_does(llm: LLM, prompt: object) -> None:
-    """An empty string used to tokenize to a lone BOS and generate from it."""
+def test_empty_prompts_are_treated_as_generate_treats_them(llm: LLM) -> None:
+    """An empty text is the tokenizer's BOS alone (as vLLM); no token ids at all is refused."""
+    params = BeamSearchParams(beam_width=2, max_tokens=2)
+    outputs = llm.beam_search(["", {"prompt": ""}], params)
+    assert all(s.tokens[0] == 1 and 1 < len(s.tokens) <= 3 for o in outputs for s in o.sequences)
     with pytest.raises(InvalidRequestError, match="the prompt is empty"):
-        llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=2))  # type: ignore[list-item]
+        llm.beam_search([{"prompt_token_ids": []}], params)

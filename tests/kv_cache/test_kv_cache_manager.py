@@ -10,7 +10,7 @@ from pagedserve.sampling_params import SamplingParams
 
 
 def make_request(request_id: str, token_ids: list[int], max_tokens: int = 16) -> Request:
-    return Request(request_id, token_ids, SamplingParams(max_tokens=max_tokens), max_tokens)
+    return Request(request_id, token_ids, SamplingParams(max_tokens=max_tokens))
 
 
 def schedule(manager: KVCacheManager, request: Request, num_new_tokens: int) -> list[int] | None:

@@ -35,7 +35,7 @@ from .protocol import (
     TokenizeResponse,
 )
 from .serving import Engine, OpenAIError, check_model, error_body, to_openai_error
-from .serving_chat import OpenAIServingChat, render_chat
+from .serving_chat import OpenAIServingChat, chat_prompt
 from .serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger(__name__)
@@ -148,16 +148,7 @@ def build_app(
     async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Any:
         check_model(request.model, served_model_names)
         if isinstance(request, TokenizeChatRequest):
-            _, token_ids = render_chat(
-                tokenizer,
-                request.messages,
-                chat_template,
-                request.add_generation_prompt,
-                request.continue_final_message,
-                request.chat_template_kwargs,
-            )
-            if request.add_special_tokens:
-                token_ids = tokenizer.build_inputs_with_special_tokens(token_ids)
+            _, token_ids = chat_prompt(tokenizer, request, chat_template)
         else:
             token_ids = tokenizer.encode(
                 request.prompt, add_special_tokens=request.add_special_tokens

@@ -152,23 +152,13 @@ class CompletionStreamResponse(CompletionResponse):
     pass
 
 
-class TextContentPart(RequestModel):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    """One message. `content` parts are checked by `chat_utils.normalize_messages` (text parts
+    only; another part type is a 400 naming it), which the offline `LLM.chat` shares."""
 
-    def text(self) -> str:
-        """The content as one string; text parts are joined by newlines, as vLLM does."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -182,6 +172,8 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: add the tokenizer's special tokens (BOS) on top of those the template holds
+    add_special_tokens: bool = False
 
 
 class TopLogprob(OpenAIModel):

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagedserve.engine.async_engine import RequestStream
-from pagedserve.engine.input_processor import check_prompt_chars
+from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
@@ -20,9 +20,9 @@ from .protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
+    TokenizeChatRequest,
     UsageInfo,
     random_id,
 )
@@ -41,57 +41,25 @@ from .serving import (
 )
 
 
-def render_chat(
+def chat_prompt(
     tokenizer: Any,
-    messages: list[ChatMessage],
+    request: ChatCompletionRequest | TokenizeChatRequest,
     chat_template: str | None,
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    chat_template_kwargs: dict[str, Any] | None = None,
     max_model_len: int | None = None,
 ) -> tuple[str, list[int]]:
-    """The prompt text and token ids of a conversation.
-
-    `max_model_len` (None: no check) refuses texts too long to fit before encoding them.
-    The text is encoded without adding special tokens: the template already holds any BOS
-    (encoding it again would double it), so the ids equal `apply_chat_template(...,
-    tokenize=True)`. With `continue_final_message` the last (assistant) message is left open
-    and no generation prompt is added.
-    """
-    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise OpenAIError(
-            400,
-            "this model's tokenizer has no chat template; start the server with "
-            "--chat-template FILE, or use /v1/completions",
-            "messages",
-        )
-    if continue_final_message and messages[-1].role != "assistant":
-        raise OpenAIError(
-            400,
-            "continue_final_message needs the last message to be from the assistant, "
-            f"got {messages[-1].role!r}",
-            "continue_final_message",
-        )
-    conversation = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in messages
-    ]
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
-    except Exception as e:  # jinja2 errors: the template refused these messages
-        raise OpenAIError(
-            400, f"the chat template failed on these messages: {e}", "messages"
-        ) from e
-    if max_model_len is not None:  # refuse megabytes before tokenizing them
-        check_prompt_chars(tokenizer, text, max_model_len, "messages")
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
+    """The prompt text and token ids of a chat request (`chat_utils.render_chat`, shared with
+    the offline `LLM.chat`; its InvalidRequestError is a 400). `max_model_len` (None: no
+    check) refuses texts too long to fit before encoding them."""
+    return render_chat(
+        tokenizer,
+        [message.model_dump(exclude_none=True) for message in request.messages],
+        chat_template,
+        request.add_generation_prompt,
+        request.continue_final_message,
+        request.chat_template_kwargs,
+        request.add_special_tokens,
+        max_model_len,
+    )
 
 
 class OpenAIServingChat:
@@ -118,13 +86,10 @@ class OpenAIServingChat:
                 "chat_template",
             )
         text, token_ids = await asyncio.to_thread(  # off the event loop, as for completions
-            render_chat,
+            chat_prompt,
             self.tokenizer,
-            request.messages,
+            request,
             self.chat_template,
-            request.add_generation_prompt,
-            request.continue_final_message,
-            request.chat_template_kwargs,
             None if request.truncate_prompt_tokens is not None else self.engine.max_model_len,
         )
         max_tokens = request.max_completion_tokens

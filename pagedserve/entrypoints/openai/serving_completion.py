@@ -13,6 +13,7 @@ from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.detokenizer import decode_token_for_logprob
 from pagedserve.engine.input_processor import PromptType, check_prompt_chars
 from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import DEFAULT_MAX_TOKENS
 
 from .protocol import (
     CompletionRequest,
@@ -72,8 +73,13 @@ class OpenAIServingCompletion:
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get their logprobs too
+        # Left out, max_tokens is the default (16) that the engine caps to what the context
+        # leaves; sent, even as 16, it must fit (vLLM's get_max_tokens and its check).
+        max_tokens = (
+            request.max_tokens if "max_tokens" in request.model_fields_set else DEFAULT_MAX_TOKENS
+        )
         params = sampling_params(
-            request, request.max_tokens, request.logprobs, request.best_of, prompt_logprobs
+            request, max_tokens, request.logprobs, request.best_of, prompt_logprobs
         )
         request_id = random_id("cmpl")
         streams = add_requests(self.engine, request_id, prompts, params)
@@ -103,9 +109,11 @@ class OpenAIServingCompletion:
         prompts: list[PromptType] = []
         for item in items:
             if isinstance(item, str):
-                if not item or self.tokenizer is None:
-                    prompts.append(item)  # the engine's own error for these cases
+                if self.tokenizer is None:
+                    prompts.append(item)  # the engine's own error for this case
                 else:
+                    # An empty text is a prompt where the tokenizer adds BOS; without
+                    # tokens, the engine refuses it.
                     if request.truncate_prompt_tokens is None:
                         check_prompt_chars(self.tokenizer, item, self.engine.max_model_len)
                     ids = self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)

@@ -1,0 +1,138 @@
+"""Chat messages to a prompt, shared by the offline `LLM.chat` and the server's chat endpoints.
+
+No FastAPI here: the offline path imports it. Errors are InvalidRequestError (a ValueError,
+HTTP 400 on the server) naming the request field at fault.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pagedserve.engine.input_processor import check_prompt_chars
+from pagedserve.errors import InvalidRequestError
+
+# Message keys passed on to the template besides role and content (vLLM passes these too).
+_PASSED_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A message's content as one string: a string as is, None as "", a list of text parts
+    joined by newlines (vLLM's "string" content format, which templates expect)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list | tuple):
+        raise InvalidRequestError(
+            f"{where}.content must be a string, a list of content parts or null, "
+            f"got {type(content).__name__}",
+            "messages",
+        )
+    texts = []
+    for i, part in enumerate(content):
+        part_type = part.get("type") if isinstance(part, Mapping) else None
+        if part_type != "text":
+            described = repr(part_type) if part_type is not None else type(part).__name__
+            raise InvalidRequestError(
+                f"{where}.content[{i}] has type {described}, which pagedserve does not "
+                f"support: content parts must be text ({{'type': 'text', 'text': ...}})",
+                "messages",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequestError(
+                f"{where}.content[{i}].text must be a string, got {type(text).__name__}",
+                "messages",
+            )
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: `content` a string (text parts joined by
+    newlines, None as ""), the "developer" role as "system" (OpenAI's newer name for it).
+
+    messages: dicts with "role" (a string) and "content" (a string, None, or a list of
+    {"type": "text", "text": str} parts); "name", "tool_calls", "tool_call_id" and
+    "reasoning_content" pass through. Raises InvalidRequestError (param "messages") for an
+    empty list, a message that is not a dict or has no role, and any content part other than
+    text (naming its type).
+    """
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of messages", "messages")
+    normalized = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(
+                f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}",
+                "messages",
+            )
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequestError(f"{where} needs a 'role' string", "messages")
+        item: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": _content_text(message.get("content"), where),
+        }
+        for key in _PASSED_KEYS:
+            if message.get(key) is not None:
+                item[key] = message[key]
+        normalized.append(item)
+    return normalized
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    add_special_tokens: bool = False,
+    max_model_len: int | None = None,
+) -> tuple[str, list[int]]:
+    """The prompt text and token ids of a conversation (`normalize_messages`, then the chat
+    template, then the tokenizer).
+
+    chat_template: Jinja text; None uses the tokenizer's. With `continue_final_message` the
+    last (assistant) message is left open and no generation prompt is added.
+    add_special_tokens: vLLM's chat field of that name: add the tokenizer's special tokens
+    (e.g. BOS) when encoding the rendered text, on top of what the template holds. Default
+    False: templates hold their BOS, so the ids equal `apply_chat_template(...,
+    tokenize=True)`. max_model_len (None: no check) refuses a text too long to fit before
+    encoding it.
+    Raises InvalidRequestError: no template, bad messages, a template that fails on them.
+    """
+    if tokenizer is None:
+        raise InvalidRequestError(
+            "chat needs a tokenizer; this engine has none (skip_tokenizer_init)", "messages"
+        )
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequestError(
+            "this model's tokenizer has no chat template; give one (LLM.chat(chat_template="
+            "...), or the server's --chat-template FILE), or use a plain text prompt",
+            "messages",
+        )
+    conversation = normalize_messages(messages)
+    if continue_final_message and conversation[-1]["role"] != "assistant":
+        raise InvalidRequestError(
+            "continue_final_message needs the last message to be from the assistant, "
+            f"got {conversation[-1]['role']!r}",
+            "continue_final_message",
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+    except Exception as e:  # jinja2 errors: the template refused these messages
+        raise InvalidRequestError(
+            f"the chat template failed on these messages: {e}", "messages"
+        ) from e
+    if max_model_len is not None:  # refuse megabytes before tokenizing them
+        check_prompt_chars(tokenizer, text, max_model_len, "messages")
+    return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
