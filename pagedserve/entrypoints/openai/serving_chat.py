@@ -48,8 +48,17 @@ def chat_prompt(
     max_model_len: int | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and token ids of a chat request (`chat_utils.render_chat`, shared with
-    the offline `LLM.chat`; its InvalidRequestError is a 400). `max_model_len` (None: no
-    check) refuses texts too long to fit before encoding them."""
+    the offline `LLM.chat`; its InvalidRequestError is a 400), for /v1/chat/completions and
+    /tokenize alike. `max_model_len` (None: no check) refuses texts too long to fit before
+    encoding them. A template in the request is a 400 (as vLLM without
+    --trust-request-chat-template): a template runs code on the server."""
+    if request.chat_template is not None:
+        raise OpenAIError(
+            400,
+            "a chat_template in the request is not accepted (a template runs code on the "
+            "server); start the server with --chat-template instead",
+            "chat_template",
+        )
     return render_chat(
         tokenizer,
         [message.model_dump(exclude_none=True) for message in request.messages],
@@ -78,13 +87,6 @@ class OpenAIServingChat:
         check_model(request.model, self.served_model_names)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        if request.chat_template is not None:  # vLLM without --trust-request-chat-template
-            raise OpenAIError(
-                400,
-                "a chat_template in the request is not accepted (a template runs code on the "
-                "server); start the server with --chat-template instead",
-                "chat_template",
-            )
         text, token_ids = await asyncio.to_thread(  # off the event loop, as for completions
             chat_prompt,
             self.tokenizer,

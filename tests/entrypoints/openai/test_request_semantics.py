@@ -126,16 +126,20 @@ def test_left_out_chat_max_tokens_fills_the_context(server: InProcessServer) -> 
         error_of(server.post("/v1/chat/completions", too_many), field)
 
 
-def test_async_engine_default_max_tokens_is_capped(server: InProcessServer) -> None:
+def test_async_engine_default_max_tokens_and_empty_text(server: InProcessServer) -> None:
     prompt = {"prompt_token_ids": [BOS] + [300] * 119}
     params = SamplingParams(ignore_eos=True, temperature=0)
 
-    async def final() -> Any:
-        outputs = [o async for o in server.engine.generate(prompt, params, "default-cap")]
+    async def final(prompt: Any, params: SamplingParams, request_id: str) -> Any:
+        outputs = [o async for o in server.engine.generate(prompt, params, request_id)]
         return outputs[-1]
 
-    output = server.run(final())
+    output = server.run(final(prompt, params, "default-cap"))
     assert output.finished and len(output.outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match=r"max_tokens \(16\)"):
+        server.run(final(prompt, SamplingParams(max_tokens=16), "explicit"))
+    empty = server.run(final("", SamplingParams(max_tokens=2), "empty"))
+    assert empty.prompt_token_ids == [BOS] and empty.finished
 
 
 def test_empty_prompt_is_one_bos_token(server: InProcessServer) -> None:
@@ -183,3 +187,10 @@ def test_chat_content_parts_and_other_shapes(server: InProcessServer) -> None:
         body = {"messages": [{"role": "user", "content": [parts[0], image]}], "max_tokens": 2}
         message = error_of(server.post(path, body), "messages")
         assert "'image_url'" in message and "content[1]" in message
+
+
+def test_a_request_chat_template_is_refused_on_tokenize_too(server: InProcessServer) -> None:
+    """/tokenize used the server's template silently; chat refused the field with a 400."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ 'x' }}"}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        assert "not accepted" in error_of(server.post(path, body), "chat_template")
