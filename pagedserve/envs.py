@@ -13,11 +13,32 @@ def max_n_sequences() -> int:
     default 16384 (vLLM's VLLM_MAX_N_SEQUENCES). Each sequence is an engine request with its
     own state, so an unbounded n lets one request exhaust host memory. Raises ValueError when
     the variable is not a positive integer."""
-    raw = os.environ.get("PAGEDSERVE_MAX_N_SEQUENCES") or "16384"  # empty: unset
+    return _positive_int("PAGEDSERVE_MAX_N_SEQUENCES", 16384)
+
+
+def max_stop_strings() -> int:
+    """PAGEDSERVE_MAX_STOP_STRINGS: the most stop strings one request may give, default 128.
+    They are matched in the API server's process for every token; one automaton keeps the
+    cost per token flat, but building it and the request's memory grow with the list.
+    (vLLM bounds the OpenAI `stop` list at request parsing; SGLang allows 32.) Raises
+    ValueError when the variable is not a positive integer."""
+    return _positive_int("PAGEDSERVE_MAX_STOP_STRINGS", 128)
+
+
+def max_stop_string_chars() -> int:
+    """PAGEDSERVE_MAX_STOP_STRING_CHARS: the most characters the stop strings of one request
+    may hold together, default 8192. It also bounds the text held back from a stream (the
+    longest stop string, less one character). Raises ValueError when not a positive
+    integer."""
+    return _positive_int("PAGEDSERVE_MAX_STOP_STRING_CHARS", 8192)
+
+
+def _positive_int(name: str, default: int) -> int:
+    raw = os.environ.get(name) or str(default)  # empty: unset
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"PAGEDSERVE_MAX_N_SEQUENCES must be a positive integer, got {raw!r}")
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
     return value

@@ -238,8 +238,22 @@ class SamplingParams:
 
     def _validate_token_lists(self) -> None:
         assert isinstance(self.stop, list)
+        max_stop = envs.max_stop_strings()
+        _check(
+            len(self.stop) <= max_stop,
+            "stop",
+            f"must hold at most {max_stop} strings (PAGEDSERVE_MAX_STOP_STRINGS), "
+            f"got {len(self.stop)}",
+        )
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
+        max_chars, num_chars = envs.max_stop_string_chars(), sum(map(len, self.stop))
+        _check(
+            num_chars <= max_chars,
+            "stop",
+            f"must hold at most {max_chars} characters in all "
+            f"(PAGEDSERVE_MAX_STOP_STRING_CHARS), got {num_chars}",
         )
         _check(
             all(map(_is_unicode, self.stop)), "stop", "must be valid Unicode (no lone surrogate)"

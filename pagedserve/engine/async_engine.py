@@ -2,9 +2,10 @@
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from pagedserve.engine.arg_utils import EngineArgs
@@ -18,19 +19,18 @@ from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_ABORTED = None  # queue item: the request was aborted; its stream ends without a final output
-
 
 class RequestStream:
     """The outputs of one request, in order, as an async iterator.
 
-    It ends after the output with `finished=True`, or without one when the request is
-    aborted; it raises EngineDeadError if the engine core dies first.
+    It ends after the output with `finished=True`, which an abort sends too (finish_reason
+    "abort", as vLLM); it raises EngineDeadError if the engine core dies or the engine is
+    shut down first.
     """
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
 
     def __aiter__(self) -> "RequestStream":
@@ -40,9 +40,6 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self.queue.get()
-        if item is _ABORTED:
-            self.finished = True
-            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -80,6 +77,9 @@ class AsyncLLMEngine:
         self.streams: dict[str, RequestStream] = {}
         self.dead_error: EngineDeadError | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # Engine-core ids are "<request id>@<n>": unique, so that a request id can be reused
+        # at once after an abort while the old request's outputs are still on their way.
+        self._core_ids = itertools.count()
         self.core = EngineCoreClient(engine_args)
 
     @classmethod
@@ -113,14 +113,19 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes (kind: `sampling_params.output_kind`).
 
-        Raises InvalidRequestError for bad input and EngineDeadError if the core dies. Closing
-        or cancelling the iterator early aborts the request and frees its KV blocks.
+        Raises InvalidRequestError for bad input and EngineDeadError if the core dies or the
+        engine shuts down. `abort(request_id)` ends it with a final output whose unfinished
+        completions have finish_reason "abort". Closing (`aclose`) or cancelling the iterator
+        early aborts the request and frees its KV blocks before that call returns.
         """
         stream = self.add_request(request_id, prompt, sampling_params)
-        async for output in self.iterate(stream):
-            yield output
+        # aclosing: the inner generator's cleanup (the abort) runs now, not when it is
+        # garbage-collected some loop iterations later.
+        async with contextlib.aclosing(self.iterate(stream)) as outputs:
+            async for output in outputs:
+                yield output
 
-    async def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    async def iterate(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
         """Yield a stream's outputs; abort the request if the caller stops early."""
         try:
             async for output in stream:
@@ -147,6 +152,7 @@ class AsyncLLMEngine:
             params,
             self.core.num_blocks,
             self.config.cache_config.block_size,
+            core_request_id=f"{request_id}@{next(self._core_ids)}",
         )
         try:
             self.core.send_add(children)
@@ -172,11 +178,15 @@ class AsyncLLMEngine:
         self.abort_request(request_id)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks; its stream ends. Unknown ids are ignored."""
+        """Stop a request now and free its KV blocks (and its state here). Its stream ends
+        with a final output whose unfinished completions have finish_reason "abort" (vLLM's
+        FinishReason.ABORT). Unknown and finished ids are ignored."""
+        final_output = self.output_processor.abort_output(request_id)
         children = self.output_processor.abort_request(request_id)
         stream = self.streams.pop(request_id, None)
         if stream is not None:
-            stream.queue.put_nowait(_ABORTED)
+            if final_output is not None:
+                stream.queue.put_nowait(final_output)
             self.metrics.record_aborted(request_id, len(children))
             if self.log_requests:
                 logger.info("Aborted request %s", request_id)
@@ -192,6 +202,10 @@ class AsyncLLMEngine:
             raise EngineDeadError(str(self.dead_error))
 
     def shutdown(self) -> None:
+        """Stop the engine core; requests still running end with EngineDeadError (their
+        iterators raise it instead of waiting forever), and new ones are refused. Idempotent."""
+        if self.dead_error is None:
+            self._fail(EngineDeadError("the engine was shut down"), log=False)
         for task in self._tasks:
             task.cancel()
         self._tasks = []
@@ -236,17 +250,22 @@ class AsyncLLMEngine:
         await asyncio.sleep(0.05)  # let the output task take a last "error" message first
         self._fail(EngineDeadError(self.core.death_message()))
 
-    def _fail(self, error: EngineDeadError) -> None:
-        """The core is gone: fail every pending request and refuse new ones."""
+    def _fail(self, error: EngineDeadError, log: bool = True) -> None:
+        """The core is gone (or shutting down): fail every pending request, refuse new ones."""
         if self.dead_error is not None:
             return
-        logger.error("engine failed; failing %d pending requests: %s", len(self.streams), error)
+        if log:
+            logger.error("engine failed; failing %d pending requests: %s", len(self.streams), error)
         self.dead_error = error
         for request_id, stream in list(self.streams.items()):
-            self.output_processor.abort_request(request_id)
+            children = self.output_processor.abort_request(request_id)
+            self.metrics.record_aborted(request_id, len(children))
             stream.queue.put_nowait(EngineDeadError(str(error)))
         self.streams.clear()
-        current = asyncio.current_task()
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # shutdown() called outside the event loop
+            current = None
         for task in self._tasks:
             if task is not current:
                 task.cancel()

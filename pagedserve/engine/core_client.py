@@ -24,6 +24,7 @@ from pagedserve.engine.core_proc import (
     unpack,
 )
 from pagedserve.errors import EngineDeadError
+from pagedserve.process_start import check_not_importing_main, main_not_reimported
 from pagedserve.request import Request
 from pagedserve.scheduler import EngineCoreOutput
 
@@ -51,6 +52,7 @@ class EngineCoreClient:
     """
 
     def __init__(self, engine_args: EngineArgs) -> None:
+        check_not_importing_main()
         self._closed = False
         self._tmpdir = tempfile.mkdtemp(prefix="pagedserve-")
         input_address = f"ipc://{self._tmpdir}/input"
@@ -80,7 +82,8 @@ class EngineCoreClient:
             ),
             name="EngineCore",
         )
-        self.process.start()
+        with main_not_reimported():  # a script without a main guard works too
+            self.process.start()
         ready_writer.close()
         try:
             self.num_blocks = self._wait_ready(ready_reader)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.engine.stop_matcher import StopMatcher
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -72,12 +74,14 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._window_ids)
 
         self._stop = list(stop or [])
-        if any(not stop_str for stop_str in self._stop):
-            raise ValueError(f"stop strings must not be empty, got {self._stop!r}")
+        # One automaton for all stop strings: the cost per token does not grow with their
+        # number (this runs on the API server's event loop). Raises ValueError for "".
+        self._stop_matcher = StopMatcher(self._stop) if self._stop else None
         self._include_stop_str_in_output = include_stop_str_in_output
         # Characters that may be the start of a stop string are held back from streaming. With
         # include_stop_str_in_output nothing is: the text before a match is kept either way, and
-        # a match always ends in text that has not been returned yet.
+        # a match always ends in text that has not been returned yet. The stop-string limits
+        # of SamplingParams bound it (PAGEDSERVE_MAX_STOP_STRING_CHARS).
         self._num_held_chars = 0
         if self._stop and not include_stop_str_in_output:
             self._num_held_chars = max(len(stop_str) for stop_str in self._stop) - 1
@@ -107,12 +111,14 @@ class IncrementalDetokenizer:
             if self._bare_added_tokens is not None:
                 new_text = self._without_space_between_added(token_id, new_text)
             self._output_text += new_text
-        if (
-            self._stop
-            and len(self._output_text) > num_chars_before
-            and self._num_output_tokens > self._min_tokens
-        ):
-            self._stop_reason = self._match_stop(num_chars_before)
+        if self._stop_matcher is not None and len(self._output_text) > num_chars_before:
+            # Fed even before min_tokens (report=False), so a later match can start there.
+            match = self._stop_matcher.feed(
+                self._output_text[num_chars_before:],
+                report=self._num_output_tokens > self._min_tokens,
+            )
+            if match is not None:
+                self._stop_reason = self._cut_at_stop(*match)
         return self._stop_reason
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
@@ -171,20 +177,13 @@ class IncrementalDetokenizer:
         self._output_text += text[len(self._prefix_text) :]
         self._prefix_text, self._read_offset = text, len(self._window_ids)
 
-    def _match_stop(self, num_chars_before: int) -> str | None:
-        """Find the stop string that starts earliest and ends in the new text (the first in `stop`
-        on a tie), and cut the output text there."""
-        best: tuple[int, str] | None = None
-        for stop_str in self._stop:
-            # A match must end in the new text; an earlier one would have been found before.
-            start = max(num_chars_before - len(stop_str) + 1, 0)
-            index = self._output_text.find(stop_str, start)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop_str)
-        if best is None:
-            return None
-        index, stop_str = best
-        end = index + len(stop_str) if self._include_stop_str_in_output else index
+    def _cut_at_stop(self, start: int, stop_index: int) -> str:
+        """Cut the output text at the stop string that matched at `start` (after it with
+        include_stop_str_in_output); returns that stop string. The match is the one that
+        starts earliest among those ending in the new text, the first in `stop` on a tie
+        (StopMatcher)."""
+        stop_str = self._stop[stop_index]
+        end = start + len(stop_str) if self._include_stop_str_in_output else start
         self._output_text = self._output_text[:end]
         return stop_str
 

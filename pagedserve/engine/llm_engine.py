@@ -95,17 +95,25 @@ def register_request(
     num_blocks: int,
     block_size: int,
     arrival_time: float | None = None,
+    core_request_id: str | None = None,
 ) -> tuple[ProcessedPrompt, list[Request]]:
     """The caller's side of adding a request, shared by LLMEngine and AsyncLLMEngine:
     tokenize and validate, check that it can fit a cache of `num_blocks` blocks, make its
     engine-core requests and register them with the output processor. Returns them, for the
-    caller to hand to the engine core. Raises InvalidRequestError (nothing registered)."""
+    caller to hand to the engine core. Raises InvalidRequestError (nothing registered).
+
+    `core_request_id` (default: `request_id`) names the engine-core requests; AsyncLLMEngine
+    gives each request a fresh one, so that outputs of an aborted request still on their way
+    from the core process never reach a new request that reuses its id."""
     processed = input_processor.process(prompt, params)
     max_tokens = processed.sampling_params.max_tokens
     assert max_tokens is not None  # resolved by the input processor
     check_fits_cache(len(processed.prompt_token_ids), max_tokens, num_blocks, block_size)
     children = child_requests(
-        request_id, processed.prompt_token_ids, processed.sampling_params, arrival_time
+        request_id if core_request_id is None else core_request_id,
+        processed.prompt_token_ids,
+        processed.sampling_params,
+        arrival_time,
     )
     check_child_ids_free(request_id, children, output_processor.child_to_parent)
     output_processor.add_request(
@@ -171,10 +179,20 @@ class LLMEngine:
         for child in children:
             self.engine_core.add_request(child)
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
-        """Stop requests now and free their blocks; unknown ids are ignored."""
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Stop requests now and free their blocks; unknown or finished ids are ignored.
+
+        Returns the final RequestOutput of each aborted request (`finished=True`, and
+        finish_reason "abort" on each completion that had not finished), the output vLLM
+        hands out for an abort. vLLM's `LLMEngine.abort_request` returns None; the list is
+        extra, so callers that ignore it are unaffected."""
+        outputs = []
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            output = self.output_processor.abort_output(request_id)
+            if output is not None:
+                outputs.append(output)
             self.engine_core.abort_requests(self.output_processor.abort_request(request_id))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()

@@ -102,6 +102,18 @@ class OutputProcessor:
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
 
+    def abort_output(self, request_id: str) -> RequestOutput | None:
+        """The final RequestOutput of a request being aborted (None for an unknown id): its
+        unfinished sequences get finish_reason "abort", as vLLM's FinishReason.ABORT, and the
+        text held back for stop strings is released. Call `abort_request` next to forget it."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for seq in state.sequences:
+            if not seq.finished:
+                seq.finish_reason, seq.stop_reason = "abort", None
+        return self._make_output(state)
+
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its engine-core ids still to abort."""
         state = self.requests.pop(request_id, None)

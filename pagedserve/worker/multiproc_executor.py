@@ -20,7 +20,8 @@ Start method: GPU ranks are spawned (a fresh interpreter each, as CUDA requires)
 fork from multiprocessing's forkserver, itself a fresh interpreter that has only imported
 torch, transformers and the worker code: a rank starts in milliseconds instead of the seconds
 those imports take (tests start many engines). The forkserver stays, idle, until the engine's
-process exits.
+process exits. Neither imports the user's `__main__` (see `process_start`): a script without
+an `if __name__ == "__main__":` guard, or read from standard input, works.
 """
 
 import contextlib
@@ -44,6 +45,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import get_open_port
 from pagedserve.errors import EngineDeadError
+from pagedserve.process_start import check_not_importing_main, main_not_reimported
 from pagedserve.worker.executor import STARTUP_TIMEOUT_S, RankGroupExecutor
 from pagedserve.worker.model_runner import resolve_device
 
@@ -70,6 +72,7 @@ class MultiprocExecutor(RankGroupExecutor):
     """Ranks as local processes; see the module docstring for the message path."""
 
     def __init__(self, config: EngineConfig) -> None:
+        check_not_importing_main()
         parallel_config = config.parallel_config
         self.timeout_s = parallel_config.distributed_timeout_s
         self.dead_reason: str | None = None
@@ -88,7 +91,8 @@ class MultiprocExecutor(RankGroupExecutor):
                 name=f"PagedServeWorker-TP{rank}",
                 daemon=True,  # also terminated by multiprocessing at interpreter exit
             )
-            process.start()
+            with main_not_reimported():  # a script without a main guard works too
+                process.start()
             child_conn.close()
             self.workers.append(_WorkerProcess(rank, process, conn))
         engine_alive_reader.close()

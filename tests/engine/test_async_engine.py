@@ -74,16 +74,22 @@ def test_generate_abort_and_errors(expected: dict[str, str]) -> None:
         await generator.aclose()
         await wait_idle(engine)
 
-        # abort() from elsewhere ends the stream without a final output
+        # abort() from elsewhere ends the stream with a final "abort" output (vLLM)
         stream = engine.add_request("other", "Once", long)
         engine.abort_request("other")
-        assert [output async for output in engine.iterate(stream)] == []
+        [final] = [output async for output in engine.iterate(stream)]
+        assert final.finished and final.outputs[0].finish_reason == "abort"
         await wait_idle(engine)
 
         with pytest.raises(InvalidRequestError, match="max_model_len"):
             await generator_first(engine.generate("x", SamplingParams(max_tokens=1000), "bad"))
         await engine.check_health()
 
+    run_with_engine(run)
+
+
+def run_with_engine(run: Any) -> None:
+    """Run the coroutine function `run(engine)` on a fresh AsyncLLMEngine, then shut it down."""
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(**ENGINE_ARGS), log_stats=False)
     try:
         asyncio.run(asyncio.wait_for(run(engine), 120))

@@ -240,6 +240,8 @@ def run_server(args: argparse.Namespace) -> None:
     # Bad flags end the command with one line naming them, not a traceback.
     try:
         envs.max_n_sequences()  # a bad PAGEDSERVE_MAX_N_SEQUENCES fails now, not per request
+        envs.max_stop_strings()
+        envs.max_stop_string_chars()
         chat_template = _read_chat_template(args.chat_template)
         sock = _bind_socket(args.host, args.port)
     except (ValueError, OSError) as e:

@@ -120,7 +120,12 @@ class OpenAIServingChat:
                 final = output
         finally:
             watcher.stop()
-        if final is None or not final.finished:
+        # An abort (the client left) ends a request with a final output too: never answer it.
+        if (
+            final is None
+            or not final.finished
+            or any(c.finish_reason == "abort" for c in final.outputs)
+        ):
             raise OpenAIError(499, "the client disconnected")  # nobody reads this
         return self._response(request, request_id, created, final)
 

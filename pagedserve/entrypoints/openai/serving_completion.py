@@ -94,7 +94,10 @@ class OpenAIServingCompletion:
                 finals[index] = output
         finally:
             watcher.stop()
-        if len(finals) < len(streams) or not all(o.finished for o in finals.values()):
+        outputs = list(finals.values())
+        # An abort (the client left) ends a request with a final output too: never answer it.
+        aborted = any(c.finish_reason == "abort" for o in outputs for c in o.outputs)
+        if len(finals) < len(streams) or not all(o.finished for o in outputs) or aborted:
             raise OpenAIError(499, "the client disconnected")  # nobody reads this
         return self._response(request, request_id, created, [finals[i] for i in range(len(finals))])
 
