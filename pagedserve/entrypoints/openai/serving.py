@@ -11,8 +11,9 @@ from fastapi import Request
 
 from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.input_processor import PromptType
+from pagedserve.engine.logprob_text import LogprobBytes
 from pagedserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.outputs import Logprob, PromptLogprobs, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 from .protocol import (
@@ -21,6 +22,7 @@ from .protocol import (
     CompletionLogProbs,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
     SamplingFields,
     TopLogprob,
 )
@@ -302,8 +304,10 @@ def completion_logprobs(
     text_offset: int,
 ) -> tuple[CompletionLogProbs, int]:
     """OpenAI completions logprobs of some tokens; a position without logprobs (the first
-    prompt token, or all of them when `logprobs` is None) gets None. Returns them and the text
-    offset after the last token."""
+    prompt token, or all of them when `logprobs` is None) gets None, and its text from
+    `token_text(token_id)`. Token texts are the in-context ones (logprob_text.py), so that they
+    join to the returned text and `text_offset` indexes it. Returns them and the text offset
+    after the last token."""
     result = CompletionLogProbs()
     for i, token_id in enumerate(token_ids):
         position = logprobs[i] if logprobs is not None else None
@@ -327,28 +331,64 @@ def completion_logprobs(
 
 
 def chat_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob]],
+    num_top: int,
+    token_bytes: LogprobBytes,
 ) -> list[ChatCompletionLogProb]:
-    """OpenAI chat logprobs (`choices[].logprobs.content`) of generated tokens."""
+    """OpenAI chat logprobs (`choices[].logprobs.content`) of generated tokens. `token_bytes`
+    follows the sequence across calls (stream chunks): a token may hold part of a character
+    whose other bytes came in an earlier chunk."""
     content = []
     for token_id, position in zip(token_ids, logprobs, strict=True):
-        sampled = position[token_id]
-        text = sampled.decoded_token or ""
+        data = token_bytes.position(token_id, position)
         top = [
             TopLogprob(
                 token=t.decoded_token or "",
                 logprob=_clamp(t.logprob),
-                bytes=list((t.decoded_token or "").encode()),
+                bytes=list(data[top_id]),
             )
-            for _, t in _by_rank(position)
+            for top_id, t in _by_rank(position)
             if t.rank is not None and t.rank <= num_top
         ][:num_top]
+        sampled = position[token_id]
         content.append(
             ChatCompletionLogProb(
-                token=text,
+                token=sampled.decoded_token or "",
                 logprob=_clamp(sampled.logprob),
-                bytes=list(text.encode()),
+                bytes=list(data[token_id]),
                 top_logprobs=top,
             )
         )
     return content
+
+
+def prompt_logprobs_json(
+    prompt_logprobs: PromptLogprobs | None,
+) -> list[dict[int, PromptLogprob] | None] | None:
+    """`prompt_logprobs` as vLLM's server returns them: None for the first prompt token, then
+    per position {token id: {"logprob", "rank", "decoded_token"}}, -inf clamped to -9999."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            token_id: PromptLogprob(
+                logprob=_clamp(logprob.logprob),
+                rank=logprob.rank,
+                decoded_token=logprob.decoded_token,
+            )
+            for token_id, logprob in position.items()
+        }
+        for position in prompt_logprobs
+    ]
+
+
+def check_prompt_logprobs(request: SamplingFields) -> None:
+    """400 for prompt_logprobs with stream=true: vLLM refuses them there too (its streamed
+    chunks have no field for them), rather than computing them and dropping them."""
+    if request.stream and request.prompt_logprobs is not None:
+        raise OpenAIError(
+            400, "prompt_logprobs are not available when stream=true", "prompt_logprobs"
+        )

@@ -10,6 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.input_processor import check_prompt_chars
+from pagedserve.engine.logprob_text import LogprobBytes
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
@@ -34,8 +35,10 @@ from .serving import (
     add_requests,
     chat_logprobs,
     check_model,
+    check_prompt_logprobs,
     guarded_stream,
     merge_streams,
+    prompt_logprobs_json,
     sampling_params,
     sse,
 )
@@ -110,6 +113,7 @@ class OpenAIServingChat:
         check_model(request.model, self.served_model_names)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        check_prompt_logprobs(request)
         if request.chat_template is not None:  # vLLM without --trust-request-chat-template
             raise OpenAIError(
                 400,
@@ -131,7 +135,9 @@ class OpenAIServingChat:
         if max_tokens is None:  # not `or`: max_completion_tokens=0 is an error, not "unset"
             max_tokens = request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = sampling_params(request, max_tokens, logprobs)
+        params = sampling_params(
+            request, max_tokens, logprobs, prompt_logprobs=request.prompt_logprobs
+        )
         request_id = random_id("chatcmpl")
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         try:
@@ -158,12 +164,21 @@ class OpenAIServingChat:
         return self._response(request, request_id, created, final)
 
     def _logprobs(
-        self, request: ChatCompletionRequest, completion: CompletionOutput
+        self,
+        request: ChatCompletionRequest,
+        completion: CompletionOutput,
+        token_bytes: dict[int, LogprobBytes],
     ) -> ChatCompletionLogProbs | None:
+        """`token_bytes`: per choice index, its LogprobBytes (kept across stream chunks)."""
         if not request.logprobs or completion.logprobs is None:
             return None
+        if completion.index not in token_bytes:
+            token_bytes[completion.index] = LogprobBytes(self.tokenizer)
         content = chat_logprobs(
-            completion.token_ids, completion.logprobs, request.top_logprobs or 0
+            completion.token_ids,
+            completion.logprobs,
+            request.top_logprobs or 0,
+            token_bytes[completion.index],
         )
         return ChatCompletionLogProbs(content=content)
 
@@ -178,7 +193,7 @@ class OpenAIServingChat:
             ChatCompletionResponseChoice(
                 index=completion.index,
                 message=ChatResponseMessage(role="assistant", content=completion.text),
-                logprobs=self._logprobs(request, completion),
+                logprobs=self._logprobs(request, completion, {}),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
             )
@@ -192,7 +207,12 @@ class OpenAIServingChat:
             total_tokens=num_prompt_tokens + num_completion_tokens,
         )
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=prompt_logprobs_json(output.prompt_logprobs),
         )
 
     async def _stream(
@@ -217,6 +237,7 @@ class OpenAIServingChat:
         num_prompt_tokens = 0
         num_completion_tokens = 0
         finished: set[int] = set()
+        token_bytes: dict[int, LogprobBytes] = {}
         async for _, output in merge_streams(self.engine, streams):
             num_prompt_tokens = len(output.prompt_token_ids)
             for completion in output.outputs:
@@ -231,7 +252,7 @@ class OpenAIServingChat:
                 choice = ChatCompletionStreamChoice(
                     index=completion.index,
                     delta=DeltaMessage(content=completion.text),
-                    logprobs=self._logprobs(request, completion),
+                    logprobs=self._logprobs(request, completion, token_bytes),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
