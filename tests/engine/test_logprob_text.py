@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.engine.logprob_text import LogprobBytes, first_token_text
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.entrypoints.openai.serving import chat_logprobs, completion_logprobs
+from pagedserve.entrypoints.openai.serving_logprobs import chat_logprobs, completion_logprobs
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 from pagedserve.scheduler import EngineCoreOutput

@@ -33,15 +33,13 @@ from .serving import (
     Engine,
     OpenAIError,
     add_requests,
-    chat_logprobs,
     check_model,
-    check_prompt_logprobs,
     guarded_stream,
     merge_streams,
-    prompt_logprobs_json,
     sampling_params,
     sse,
 )
+from .serving_logprobs import chat_logprobs, check_prompt_logprobs, prompt_logprobs_json
 
 
 def render_chat(

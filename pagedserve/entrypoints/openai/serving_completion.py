@@ -30,14 +30,12 @@ from .serving import (
     OpenAIError,
     add_requests,
     check_model,
-    check_prompt_logprobs,
-    completion_logprobs,
     guarded_stream,
     merge_streams,
-    prompt_logprobs_json,
     sampling_params,
     sse,
 )
+from .serving_logprobs import check_prompt_logprobs, completion_logprobs, prompt_logprobs_json
 
 
 @dataclass(slots=True)

@@ -90,8 +90,12 @@ def test_chat_n_and_logprobs(server: Any) -> None:
     for choice in result.choices:
         content = choice.logprobs.content
         assert len(content) == 5
+        # Token texts in context join to the content (issue 13 item 3); a token that ends
+        # inside a character has the text "" and its raw bytes (item 4).
+        assert "".join(entry.token for entry in content) == choice.message.content
         for entry in content:
-            assert entry.logprob <= 0.0 and entry.bytes == list(entry.token.encode())
+            assert entry.logprob <= 0.0
+            assert entry.bytes == list(entry.token.encode()) or entry.token == ""
             assert len(entry.top_logprobs) == 3
             top = [t.logprob for t in entry.top_logprobs]
             assert top == sorted(top, reverse=True) and entry.logprob <= top[0]
