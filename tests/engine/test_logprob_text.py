@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedserve.engine.logprob_text import LogprobBytes, first_token_text
+from pagedserve.engine.logprob_text import LogprobBytes, LogprobDetokenizer, first_token_text
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.entrypoints.openai.serving_logprobs import chat_logprobs, completion_logprobs
 from pagedserve.outputs import RequestOutput
@@ -188,3 +188,20 @@ def test_echoed_tokens_and_text_offset(tokenizers: dict[str, PreTrainedTokenizer
     offsets = echoed.text_offset + generated.text_offset
     assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
     assert [text[o : o + len(t)] for o, t in zip(offsets, tokens, strict=True)] == tokens
+
+
+@pytest.mark.parametrize("name", list(TOKENIZERS))
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_peek_is_what_the_token_would_add(
+    tokenizers: dict[str, PreTrainedTokenizerBase], name: str, skip_special_tokens: bool
+) -> None:
+    """An alternative is spelled exactly as it would have been, had it been sampled there."""
+    tokenizer = tokenizers[name]
+    ids = tokenizer.encode("Once upon a time 你好 🎉 done") + [tokenizer.eos_token_id]
+    decoder = LogprobDetokenizer(tokenizer, ids[:2], skip_special_tokens=skip_special_tokens)
+    texts = []
+    for token_id in ids[2:]:
+        peeked = decoder.peek(token_id)
+        texts.append(decoder.advance(token_id))
+        assert peeked == texts[-1]
+    assert ("</s>" in "".join(texts) or "<|" in "".join(texts)) != skip_special_tokens
