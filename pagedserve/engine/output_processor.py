@@ -198,8 +198,8 @@ class OutputProcessor:
         if seq.logprob_decoder is None or not seq.logprobs:
             return
         tail = seq.logprob_decoder.finish()
-        if tail:
-            last = seq.logprobs[-1][seq.token_ids[-1]]
+        last = seq.logprobs[-1].get(seq.token_ids[-1])
+        if tail and last is not None:
             last.decoded_token = (last.decoded_token or "") + tail
 
     def _add_prompt_logprobs(self, state: _RequestState, data: PromptLogprobsData) -> None:
