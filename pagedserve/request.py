@@ -79,6 +79,10 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.stop_token_ids = sampling_params.all_stop_token_ids
+        # Prompt logprobs need the logits of every prompt position, so no position may be a
+        # prefix-cache hit (vLLM's Request.skip_reading_prefix_cache). Its blocks are still
+        # written to the cache for the requests after it.
+        self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None
 
     @property
     def prompt_token_ids(self) -> list[int]:

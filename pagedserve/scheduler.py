@@ -192,11 +192,7 @@ class Scheduler:
             # A request preempted with a token in flight gets it (update_from_output) before
             # the next schedule: preemption stops admission for the step it happens in.
             assert request.num_output_placeholders == 0
-            hits, num_hit_tokens = (
-                self.kv_cache.get_computed_blocks(request)
-                if request.sampling_params.prompt_logprobs is None
-                else ([], 0)  # prompt logprobs need every prompt position to run
-            )
+            hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
             if num_new_tokens > plan.token_budget:
                 if not self.config.enable_chunked_prefill:
@@ -209,8 +205,7 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            if request.sampling_params.prompt_logprobs is None:
-                self.kv_cache.record_prefix_query(request, num_hit_tokens)
+            self.kv_cache.record_prefix_query(request, num_hit_tokens)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             plan.new_requests.append(

@@ -296,3 +296,25 @@ def test_prefix_queries_count_once_per_admission() -> None:
     while scheduler.has_unfinished_requests():
         run_step(scheduler)
     assert scheduler.kv_cache.num_query_tokens == first.num_prompt_tokens + 8
+
+
+def test_prompt_logprobs_skip_reading_but_fill_the_prefix_cache() -> None:
+    """A request with prompt logprobs needs every prompt position computed: it reads no
+    prefix-cache hits (Request.skip_reading_prefix_cache), but its blocks are cached for the
+    requests after it."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("plain", 9, first_token=20))
+    run_step(scheduler)
+    scored = make_request("scored", 9, first_token=20, prompt_logprobs=0)
+    assert scored.skip_reading_prefix_cache and not make_request("x", 3).skip_reading_prefix_cache
+    scheduler.add_request(scored)
+    out = run_step(scheduler)
+    assert {r.request_id: r.num_new_tokens for r in out.scheduled_requests}["scored"] == 9
+    assert scored.num_cached_tokens == 0
+    queries = scheduler.kv_cache.num_query_tokens
+    scheduler.finish_requests(["plain"], RequestStatus.FINISHED_ABORTED)
+    after = make_request("after", 9, first_token=20)
+    scheduler.add_request(after)
+    run_step(scheduler)
+    assert after.num_cached_tokens == 8  # two full blocks of 4, from "plain" and "scored"
+    assert scheduler.kv_cache.num_query_tokens == queries + 9  # "scored" was no lookup

@@ -140,6 +140,19 @@ class IncrementalDetokenizer:
         self._num_returned_chars = end
         return self._output_text[start:end]
 
+    def peek(self, token_id: int) -> str:
+        """The text `token_id` would add if it came next (as update() would emit it, stop
+        strings aside), without adding it: how logprobs spell the alternatives of a position."""
+        if token_id in self._skipped_ids:
+            return ""
+        text = self._decode([*self._window_ids, token_id])
+        new_text = ""
+        if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT_CHAR):
+            new_text = text[len(self._prefix_text) :]
+        if self._bare_added_tokens is not None and self._previous_was_added:
+            return self._bare_added_tokens.get(token_id, new_text)
+        return new_text
+
     def _decode(self, token_ids: list[int]) -> str:
         text: str = self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         return text
@@ -186,13 +199,6 @@ class IncrementalDetokenizer:
         end = start + len(stop_str) if self._include_stop_str_in_output else start
         self._output_text = self._output_text[:end]
         return stop_str
-
-
-def decode_token_for_logprob(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
-    """The text of one token as vLLM shows it in logprobs: decoded alone, special tokens kept
-    (a token holding part of a character shows as U+FFFD)."""
-    text: str = _backend_tokenizer(tokenizer).decode([token_id], skip_special_tokens=False)
-    return text
 
 
 def _backend_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Any:

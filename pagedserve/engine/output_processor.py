@@ -3,10 +3,10 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer, decode_token_for_logprob
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.logprob_text import LogprobDetokenizer, logprob_entry
 from pagedserve.outputs import (
     CompletionOutput,
-    Logprob,
     PromptLogprobs,
     RequestOutput,
     SampleLogprobs,
@@ -28,6 +28,8 @@ class _SequenceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0  # for DELTA outputs
+    # Spells the logprob tokens in context (None without logprobs or without a tokenizer).
+    logprob_decoder: LogprobDetokenizer | None = None
 
     @property
     def finished(self) -> bool:
@@ -46,6 +48,7 @@ class _RequestState:
     # [None, then one entry per prompt token], filled chunk by chunk; None when not asked.
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once, in the first output
+    prompt_logprob_decoder: LogprobDetokenizer | None = None
 
     @property
     def finished(self) -> bool:
@@ -88,6 +91,7 @@ class OutputProcessor:
             state = _SequenceState(index, detokenizer)
             if params.logprobs is not None:
                 state.logprobs = []
+                state.logprob_decoder = self._logprob_decoder(params, prompt_token_ids)
             if params.logprobs is not None or _is_ranked(params):
                 state.cumulative_logprob = 0.0
             sequences.append(state)
@@ -100,6 +104,23 @@ class OutputProcessor:
             sequences,
             list(child_ids),
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
+        )
+        if params.prompt_logprobs is not None and prompt_token_ids:
+            decoder = self._logprob_decoder(params, [])
+            if decoder is not None:
+                decoder.advance(prompt_token_ids[0])  # the first position has no entry
+            self.requests[request_id].prompt_logprob_decoder = decoder
+
+    def _logprob_decoder(
+        self, params: SamplingParams, context_token_ids: list[int]
+    ) -> LogprobDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return LogprobDetokenizer(
+            self.tokenizer,
+            context_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
 
     def abort_output(self, request_id: str) -> RequestOutput | None:
@@ -163,9 +184,13 @@ class OutputProcessor:
             seq.cumulative_logprob += output.logprobs.logprobs[0]
         if seq.logprobs is not None and output.logprobs is not None:
             data = output.logprobs
-            entry = self._logprob_entry(data.token_ids, data.logprobs, data.sampled_rank)
+            entry = logprob_entry(
+                data.token_ids, data.logprobs, data.sampled_rank, seq.logprob_decoder
+            )
             seq.logprobs.append(entry)
         seq.finish_reason, seq.stop_reason = output.finish_reason, output.stop_reason
+        if seq.finished:
+            self._finish_logprob_text(seq)
         if seq.detokenizer is not None:
             # The EOS or stop token that ended the request is not part of the text (vLLM).
             stop_terminated = output.finish_reason == "stop"
@@ -174,8 +199,20 @@ class OutputProcessor:
             )
             if stop_string is not None and output.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_string
+                self._finish_logprob_text(seq)
                 return True
         return False
+
+    @staticmethod
+    def _finish_logprob_text(seq: _SequenceState) -> None:
+        """Bytes of an unfinished character end the text as U+FFFD: the last token's text
+        shows it too, so that the token texts still join to the text."""
+        if seq.logprob_decoder is None or not seq.logprobs:
+            return
+        tail = seq.logprob_decoder.finish()
+        last = seq.logprobs[-1].get(seq.token_ids[-1])
+        if tail and last is not None:
+            last.decoded_token = (last.decoded_token or "") + tail
 
     def _add_prompt_logprobs(self, state: _RequestState, data: PromptLogprobsData) -> None:
         """Append a chunk's entries, skipping positions already known (the n sequences of a
@@ -191,24 +228,8 @@ class OutputProcessor:
             data.ranks[num_known:],
             strict=True,
         ):
-            prompt_logprobs.append(self._logprob_entry(token_ids, logprobs, rank))
-
-    def _logprob_entry(
-        self, token_ids: list[int], logprobs: list[float], rank: int
-    ) -> dict[int, Logprob]:
-        """One position: the sampled (or prompt) token with its rank, then the top-k."""
-        entry = {token_ids[0]: Logprob(logprobs[0], rank, self._token_text(token_ids[0]))}
-        for top_rank, (token_id, logprob) in enumerate(
-            zip(token_ids[1:], logprobs[1:], strict=True), start=1
-        ):
-            if token_id not in entry:
-                entry[token_id] = Logprob(logprob, top_rank, self._token_text(token_id))
-        return entry
-
-    def _token_text(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return decode_token_for_logprob(self.tokenizer, token_id)
+            decoder = state.prompt_logprob_decoder
+            prompt_logprobs.append(logprob_entry(token_ids, logprobs, rank, decoder))
 
     def _make_output(self, state: _RequestState) -> RequestOutput | None:
         kind = state.params.output_kind

@@ -46,8 +46,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks that starts the request's tokens, and its length
-        in tokens. The last token is never a hit: the model must run on it to sample."""
-        if not self._is_cacheable(request):
+        in tokens. The last token is never a hit: the model must run on it to sample. None
+        for a request that must compute all its tokens (`skip_reading_prefix_cache`)."""
+        if not self._is_cacheable(request) or request.skip_reading_prefix_cache:
             return [], 0
         hashes = self._block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -62,7 +63,7 @@ class KVCacheManager:
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         """Count one lookup in the metrics, once the request is admitted (a request waiting
         for blocks looks its prefix up again every step)."""
-        if self._is_cacheable(request):
+        if self._is_cacheable(request) and not request.skip_reading_prefix_cache:
             self.num_query_tokens += request.num_tokens
             self.num_hit_tokens += num_hit_tokens
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from pagedserve.engine.detokenizer import IncrementalDetokenizer, decode_token_for_logprob
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 
 _SHARED = Path(__file__).resolve().parents[3] / "shared"  # ../shared beside the checkout
 TOKENIZER_PATHS = {
@@ -427,29 +427,6 @@ def test_single_stop_string_cuts_at_its_first_occurrence(
     expected = text[: index + len(stop_str) if include_stop_str_in_output else index]
     assert stop_reason == stop_str
     assert "".join(deltas) == expected == detokenizer.output_text
-
-
-# --- logprob token text ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", list(TOKENIZER_PATHS))
-def test_decode_token_for_logprob_matches_token_to_string(
-    tokenizers: dict[str, PreTrainedTokenizerBase], name: str
-) -> None:
-    tokenizer = tokenizers[name]
-    token_ids = tokenizer.encode("Hello world 你好!", add_special_tokens=False)
-    for token_id in token_ids + [tokenizer.eos_token_id]:
-        token = tokenizer.convert_ids_to_tokens(token_id)
-        expected = tokenizer.convert_tokens_to_string([token])
-        assert decode_token_for_logprob(tokenizer, token_id) == expected
-
-
-def test_decode_token_for_logprob_examples(tokenizers: dict[str, PreTrainedTokenizerBase]) -> None:
-    tokenizer = tokenizers["gpt2"]
-    world, first_byte_of_emoji = tokenizer.encode(" world")[0], tokenizer.encode("🎉")[0]
-    assert decode_token_for_logprob(tokenizer, world) == " world"
-    assert decode_token_for_logprob(tokenizer, 50256) == "<|endoftext|>"
-    assert decode_token_for_logprob(tokenizer, first_byte_of_emoji) == "\ufffd"
 
 
 def test_slow_tokenizer_is_rejected() -> None:

@@ -452,3 +452,26 @@ def test_numbers_of_any_kind_and_iterables_are_accepted() -> None:
 def test_an_empty_max_n_sequences_variable_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_MAX_N_SEQUENCES", "")
     assert SamplingParams(n=16384).n == 16384
+
+
+def test_logprob_tokens_are_spelled_in_context(llm: LLM) -> None:
+    """Issue 13 item 3 offline: Logprob.decoded_token is the text the token adds (" there",
+    not "there"), for sampled tokens, top alternatives and prompt tokens, as on the server."""
+    params = SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1
+    )
+    output = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    completion = output.outputs[0]
+    entries = completion.logprobs or []
+    tokens = [
+        entry[t].decoded_token for t, entry in zip(completion.token_ids, entries, strict=True)
+    ]
+    assert tokens == [",", " there", " was", " a", " little", " g", "ir", "l"]
+    assert "".join(tokens) == completion.text  # type: ignore[arg-type]
+    alternatives = [lp.decoded_token for entry in entries for lp in entry.values()]
+    assert all(text is not None and "▁" not in text for text in alternatives)
+    prompt = output.prompt_logprobs or []
+    prompt_ids = output.prompt_token_ids
+    assert prompt[0] is None
+    texts = [entry[t].decoded_token for t, entry in zip(prompt_ids[1:], prompt[1:], strict=True)]  # type: ignore[index]
+    assert texts == ["Once", " upon", " a", " time"]

@@ -2,6 +2,7 @@
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -131,7 +132,22 @@ class CompletionLogProbs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(OpenAIModel):
+class PromptLogprob(OpenAIModel):
+    """One token at one prompt position, as vLLM serializes its `Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs` field: None for the first prompt token, then token id -> logprob.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
+class CompletionStreamChoice(OpenAIModel):
+    """A choice of a streamed chunk (no prompt_logprobs: as in vLLM, they are refused with
+    stream=true)."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -139,17 +155,21 @@ class CompletionResponseChoice(OpenAIModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(OpenAIModel):
+class CompletionResponseChoice(CompletionStreamChoice):
+    prompt_logprobs: PromptLogprobsField = None  # vLLM: per choice in completions
+
+
+class CompletionStreamResponse(OpenAIModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: Sequence[CompletionStreamChoice]
     usage: UsageInfo | None = None
 
 
-class CompletionStreamResponse(CompletionResponse):
-    pass
+class CompletionResponse(CompletionStreamResponse):
+    choices: Sequence[CompletionResponseChoice]
 
 
 class ChatMessage(RequestModel):
@@ -210,6 +230,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField = None  # vLLM: per response in chat
 
 
 class DeltaMessage(OpenAIModel):

@@ -1,10 +1,10 @@
 """What the completion and chat handlers share: the engine protocol, errors, sampling
-parameters, logprob formats, SSE framing and disconnect handling."""
+parameters, SSE framing and disconnect handling (logprob formats: serving_logprobs.py)."""
 
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -12,20 +12,15 @@ from fastapi import Request
 from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
-from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 from .protocol import (
     UNSUPPORTED_FIELDS,
-    ChatCompletionLogProb,
-    CompletionLogProbs,
     ErrorInfo,
     ErrorResponse,
     SamplingFields,
-    TopLogprob,
 )
-
-_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
 class Engine(Protocol):
@@ -284,71 +279,3 @@ async def guarded_stream(
             yield event
     finally:
         watcher.stop()
-
-
-def _clamp(logprob: float) -> float:
-    return max(logprob, _MIN_LOGPROB)
-
-
-def _by_rank(position: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
-    return sorted(position.items(), key=lambda item: item[1].rank or 0)
-
-
-def completion_logprobs(
-    token_ids: list[int],
-    logprobs: Sequence[dict[int, Logprob] | None] | None,
-    num_top: int,
-    token_text: Any,
-    text_offset: int,
-) -> tuple[CompletionLogProbs, int]:
-    """OpenAI completions logprobs of some tokens; a position without logprobs (the first
-    prompt token, or all of them when `logprobs` is None) gets None. Returns them and the text
-    offset after the last token."""
-    result = CompletionLogProbs()
-    for i, token_id in enumerate(token_ids):
-        position = logprobs[i] if logprobs is not None else None
-        if position is None or token_id not in position:
-            text = token_text(token_id)
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
-        else:
-            sampled = position[token_id]
-            text = sampled.decoded_token or ""
-            result.token_logprobs.append(_clamp(sampled.logprob))
-            top = {text: _clamp(sampled.logprob)}
-            for top_id, top_logprob in _by_rank(position):
-                if top_id != token_id and (top_logprob.rank or 0) <= num_top:
-                    top.setdefault(top_logprob.decoded_token or "", _clamp(top_logprob.logprob))
-            result.top_logprobs.append(top)
-        result.tokens.append(text)
-        result.text_offset.append(text_offset)
-        text_offset += len(text)
-    return result, text_offset
-
-
-def chat_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int
-) -> list[ChatCompletionLogProb]:
-    """OpenAI chat logprobs (`choices[].logprobs.content`) of generated tokens."""
-    content = []
-    for token_id, position in zip(token_ids, logprobs, strict=True):
-        sampled = position[token_id]
-        text = sampled.decoded_token or ""
-        top = [
-            TopLogprob(
-                token=t.decoded_token or "",
-                logprob=_clamp(t.logprob),
-                bytes=list((t.decoded_token or "").encode()),
-            )
-            for _, t in _by_rank(position)
-            if t.rank is not None and t.rank <= num_top
-        ][:num_top]
-        content.append(
-            ChatCompletionLogProb(
-                token=text,
-                logprob=_clamp(sampled.logprob),
-                bytes=list(text.encode()),
-                top_logprobs=top,
-            )
-        )
-    return content

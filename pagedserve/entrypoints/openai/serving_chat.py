@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagedserve.engine.async_engine import RequestStream
+from pagedserve.engine.logprob_text import LogprobBytes
 from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
@@ -32,13 +33,13 @@ from .serving import (
     Engine,
     OpenAIError,
     add_requests,
-    chat_logprobs,
     check_model,
     guarded_stream,
     merge_streams,
     sampling_params,
     sse,
 )
+from .serving_logprobs import chat_logprobs, check_prompt_logprobs, prompt_logprobs_json
 
 
 def chat_prompt(
@@ -87,6 +88,7 @@ class OpenAIServingChat:
         check_model(request.model, self.served_model_names)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        check_prompt_logprobs(request)
         text, token_ids = await asyncio.to_thread(  # off the event loop, as for completions
             chat_prompt,
             self.tokenizer,
@@ -98,7 +100,9 @@ class OpenAIServingChat:
         if max_tokens is None:  # not `or`: max_completion_tokens=0 is an error, not "unset"
             max_tokens = request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = sampling_params(request, max_tokens, logprobs)
+        params = sampling_params(
+            request, max_tokens, logprobs, prompt_logprobs=request.prompt_logprobs
+        )
         request_id = random_id("chatcmpl")
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         try:
@@ -130,12 +134,21 @@ class OpenAIServingChat:
         return self._response(request, request_id, created, final)
 
     def _logprobs(
-        self, request: ChatCompletionRequest, completion: CompletionOutput
+        self,
+        request: ChatCompletionRequest,
+        completion: CompletionOutput,
+        token_bytes: dict[int, LogprobBytes],
     ) -> ChatCompletionLogProbs | None:
+        """`token_bytes`: per choice index, its LogprobBytes (kept across stream chunks)."""
         if not request.logprobs or completion.logprobs is None:
             return None
+        if completion.index not in token_bytes:
+            token_bytes[completion.index] = LogprobBytes(self.tokenizer)
         content = chat_logprobs(
-            completion.token_ids, completion.logprobs, request.top_logprobs or 0
+            completion.token_ids,
+            completion.logprobs,
+            request.top_logprobs or 0,
+            token_bytes[completion.index],
         )
         return ChatCompletionLogProbs(content=content)
 
@@ -150,7 +163,7 @@ class OpenAIServingChat:
             ChatCompletionResponseChoice(
                 index=completion.index,
                 message=ChatResponseMessage(role="assistant", content=completion.text),
-                logprobs=self._logprobs(request, completion),
+                logprobs=self._logprobs(request, completion, {}),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
             )
@@ -164,7 +177,12 @@ class OpenAIServingChat:
             total_tokens=num_prompt_tokens + num_completion_tokens,
         )
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=prompt_logprobs_json(output.prompt_logprobs),
         )
 
     async def _stream(
@@ -189,6 +207,7 @@ class OpenAIServingChat:
         num_prompt_tokens = 0
         num_completion_tokens = 0
         finished: set[int] = set()
+        token_bytes: dict[int, LogprobBytes] = {}
         async for _, output in merge_streams(self.engine, streams):
             num_prompt_tokens = len(output.prompt_token_ids)
             for completion in output.outputs:
@@ -203,7 +222,7 @@ class OpenAIServingChat:
                 choice = ChatCompletionStreamChoice(
                     index=completion.index,
                     delta=DeltaMessage(content=completion.text),
-                    logprobs=self._logprobs(request, completion),
+                    logprobs=self._logprobs(request, completion, token_bytes),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )

@@ -10,8 +10,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagedserve.engine.async_engine import RequestStream
-from pagedserve.engine.detokenizer import decode_token_for_logprob
 from pagedserve.engine.input_processor import PromptType, check_prompt_chars
+from pagedserve.engine.logprob_text import first_token_text
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import DEFAULT_MAX_TOKENS
 
@@ -19,6 +19,7 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionStreamChoice,
     CompletionStreamResponse,
     UsageInfo,
     random_id,
@@ -30,12 +31,12 @@ from .serving import (
     OpenAIError,
     add_requests,
     check_model,
-    completion_logprobs,
     guarded_stream,
     merge_streams,
     sampling_params,
     sse,
 )
+from .serving_logprobs import check_prompt_logprobs, completion_logprobs, prompt_logprobs_json
 
 
 @dataclass(slots=True)
@@ -67,6 +68,7 @@ class OpenAIServingCompletion:
             raise OpenAIError(400, "suffix is not supported", "suffix")
         if request.stream and request.best_of is not None and request.best_of != request.n:
             raise OpenAIError(400, "best_of other than n cannot be streamed", "best_of")
+        check_prompt_logprobs(request)
         # Tokenizing can take long (a huge prompt): keep it off the event loop, which serves
         # every other request.
         prompts = await asyncio.to_thread(self._prompts, request)
@@ -125,14 +127,14 @@ class OpenAIServingCompletion:
                 prompts.append({"prompt_token_ids": list(item)})
         return prompts
 
-    def _prompt_text(self, output: RequestOutput) -> str:
+    def _prompt_text(self, request: CompletionRequest, output: RequestOutput) -> str:
         if output.prompt is not None:
             return output.prompt
-        text: str = self.tokenizer.decode(output.prompt_token_ids)
+        # Decoded as the echoed tokens' logprob texts are, so that those join to it.
+        text: str = self.tokenizer.backend_tokenizer.decode(
+            output.prompt_token_ids, skip_special_tokens=request.skip_special_tokens
+        )
         return text
-
-    def _token_text(self, token_id: int) -> str:
-        return decode_token_for_logprob(self.tokenizer, token_id)
 
     def _choice(
         self,
@@ -141,31 +143,35 @@ class OpenAIServingCompletion:
         completion: CompletionOutput,
         index: int,
         state: _ChoiceState,
-    ) -> CompletionResponseChoice:
+    ) -> CompletionStreamChoice:
         """One choice (or one stream delta of it); `state` carries echo and offsets across."""
         text = completion.text
         echo_ids: list[int] = []
         if request.echo and not state.echoed:
-            text = self._prompt_text(output) + text
+            text = self._prompt_text(request, output) + text
             echo_ids = output.prompt_token_ids
             state.echoed = True
         logprobs = None
         if request.logprobs is not None:
+
+            def token_text(token_id: int) -> str:  # the first prompt token: it has no entry
+                return first_token_text(self.tokenizer, token_id, request.skip_special_tokens)
+
             prompt_logprobs = output.prompt_logprobs if echo_ids else None
             logprobs, state.text_offset = completion_logprobs(
-                echo_ids, prompt_logprobs, request.logprobs, self._token_text, state.text_offset
+                echo_ids, prompt_logprobs, request.logprobs, token_text, state.text_offset
             )
             generated, state.text_offset = completion_logprobs(
                 completion.token_ids,
                 completion.logprobs,
                 request.logprobs,
-                self._token_text,
+                token_text,
                 state.text_offset,
             )
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(logprobs, name).extend(getattr(generated, name))
         state.num_tokens += len(completion.token_ids)
-        return CompletionResponseChoice(
+        return CompletionStreamChoice(
             index=index,
             text=text,
             logprobs=logprobs,
@@ -184,10 +190,14 @@ class OpenAIServingCompletion:
         usage = UsageInfo()
         for i, output in enumerate(outputs):
             usage.prompt_tokens += len(output.prompt_token_ids)
+            prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
             for completion in output.outputs:
                 state = _ChoiceState()
                 index = i * request.n + completion.index
-                choices.append(self._choice(request, output, completion, index, state))
+                choice = self._choice(request, output, completion, index, state)
+                choices.append(
+                    CompletionResponseChoice(**dict(choice), prompt_logprobs=prompt_logprobs)
+                )
                 usage.completion_tokens += state.num_tokens
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(

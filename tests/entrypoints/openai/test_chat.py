@@ -90,8 +90,12 @@ def test_chat_n_and_logprobs(server: Any) -> None:
     for choice in result.choices:
         content = choice.logprobs.content
         assert len(content) == 5
+        # Token texts in context join to the content (issue 13 item 3); a token that ends
+        # inside a character has the text "" and its raw bytes (item 4).
+        assert "".join(entry.token for entry in content) == choice.message.content
         for entry in content:
-            assert entry.logprob <= 0.0 and entry.bytes == list(entry.token.encode())
+            assert entry.logprob <= 0.0
+            assert entry.bytes == list(entry.token.encode()) or entry.token == ""
             assert len(entry.top_logprobs) == 3
             top = [t.logprob for t in entry.top_logprobs]
             assert top == sorted(top, reverse=True) and entry.logprob <= top[0]
@@ -123,3 +127,33 @@ def test_continue_final_message(server: Any, hf_tokenizer: Any) -> None:
     assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == len(
         expected
     )
+
+
+def test_chat_logprob_bytes_of_split_characters(server: Any, sse: Any) -> None:
+    """Issue 13 item 4: "🎉龘" is five byte-level Llama 3 tokens, four of them parts of a
+    character. Forced in order (only these tokens allowed, decreasing biases, and a repetition
+    penalty that rules out a token once used), each such token's `bytes` are its raw bytes (not
+    EF BF BD) and all entries' bytes concatenate to the content; the token texts join to it."""
+    text = "🎉龘"
+    token_ids = server.tokenize(prompt=text, add_special_tokens=False)
+    assert len(token_ids) == 5 and len(set(token_ids)) == 5
+    body = {
+        "messages": MESSAGES, "max_tokens": 5, "logprobs": True, "top_logprobs": 2,
+        "allowed_token_ids": token_ids, "repetition_penalty": 1000.0,
+        "logit_bias": {str(t): 100.0 - 20 * i for i, t in enumerate(token_ids)},
+        **FIXED_LENGTH, **GREEDY,
+    }  # fmt: skip
+    choice = server.post("/v1/chat/completions", body).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["message"]["content"] == text
+    assert [entry["token"] for entry in content] == ["", "", "🎉", "", "龘"]
+    raw = [bytes(entry["bytes"]) for entry in content]
+    assert all(raw) and b"".join(raw[:3]) == "🎉".encode() and b"".join(raw[3:]) == "龘".encode()
+    for entry in content:  # alternatives: raw bytes too where they hold part of a character
+        assert all(b"\xef\xbf\xbd" not in bytes(top["bytes"]) for top in entry["top_logprobs"])
+    chunks = sse(server.post("/v1/chat/completions", {**body, "stream": True}).text)
+    streamed = [
+        entry for chunk in chunks[:-1] for c in chunk["choices"] if c.get("logprobs")
+        for entry in c["logprobs"]["content"]
+    ]  # fmt: skip
+    assert [bytes(entry["bytes"]) for entry in streamed] == raw

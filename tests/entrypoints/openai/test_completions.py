@@ -95,7 +95,12 @@ def test_echo_with_logprobs_returns_prompt_tokens(server: Any) -> None:
     logprobs = choice.logprobs
     num_prompt = len(prompt_ids)
     assert len(logprobs.tokens) == num_prompt + 5
-    assert logprobs.tokens[:num_prompt] == [server.detokenize([t]) for t in prompt_ids]
+    # Token texts in context: the texts of all tokens join to the echoed prompt and the
+    # completion (issue 13 item 3).
+    assert "".join(logprobs.tokens) == choice.text
+    assert "".join(logprobs.tokens[:num_prompt]) == prompt
+    offsets = [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    assert logprobs.text_offset == offsets
     assert logprobs.token_logprobs[0] is None  # the first prompt token has no logprob
     assert all(isinstance(lp, float) for lp in logprobs.token_logprobs[1:num_prompt])
     assert all(isinstance(lp, float) and lp <= 0.0 for lp in logprobs.token_logprobs[num_prompt:])
