@@ -121,11 +121,13 @@ async def soak(args: argparse.Namespace, url: str, server_pid: int) -> list[dict
             }
         )
 
+    deadline = time.monotonic() + args.max_seconds
+
     async def client_loop(client: httpx.AsyncClient) -> None:
         nonlocal done, failed, next_sample
         while True:
             async with lock:
-                if done + failed >= args.num_requests:
+                if done + failed >= args.num_requests or time.monotonic() > deadline:
                     return
                 if done >= next_sample:
                     sample()
@@ -186,6 +188,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--max-seconds", type=float, default=float("inf"), help="stop sending after this long"
+    )
+    parser.add_argument(
         "--tokenizer-only", action="store_true", help="only encode the prompts, in this process"
     )
     parser.add_argument(
@@ -206,7 +211,8 @@ def main() -> None:
     print(f"{'requests':>9} {'server RSS MiB':>15} {'core RSS MiB':>13}")
     for s in samples:
         print(f"{s['requests']:>9} {s['server_rss'] / 2**20:>15.1f} {s['core_rss'] / 2**20:>13.1f}")
-    second_half = [s for s in samples if s["requests"] >= args.num_requests // 2]
+    num_done = samples[-1]["requests"]
+    second_half = [s for s in samples if s["requests"] >= num_done // 2]
     server_slope = slope_bytes_per_request([(s["requests"], s["server_rss"]) for s in second_half])
     core_slope = slope_bytes_per_request([(s["requests"], s["core_rss"]) for s in second_half])
     print(
