@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__, envs
+from pagedserve.engine.input_processor import check_prompt_chars
 from pagedserve.errors import PagedServeError
 
 from .protocol import (
@@ -144,9 +145,7 @@ def build_app(
         ]
         return ModelList(data=cards)
 
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Any:
-        check_model(request.model, served_model_names)
+    def tokenize_sync(request: TokenizeChatRequest | TokenizeCompletionRequest) -> list[int]:
         if isinstance(request, TokenizeChatRequest):
             _, token_ids = render_chat(
                 tokenizer,
@@ -155,25 +154,36 @@ def build_app(
                 request.add_generation_prompt,
                 request.continue_final_message,
                 request.chat_template_kwargs,
+                engine.max_model_len,
             )
             if request.add_special_tokens:
                 token_ids = tokenizer.build_inputs_with_special_tokens(token_ids)
-        else:
-            token_ids = tokenizer.encode(
-                request.prompt, add_special_tokens=request.add_special_tokens
-            )
+            return list(token_ids)
+        check_prompt_chars(tokenizer, request.prompt, engine.max_model_len)
+        return list(tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+
+    # Tokenizing, rendering templates and decoding run in a thread: on the event loop, a
+    # megabyte prompt would hold up every other request (/health included) for seconds.
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Any:
+        check_model(request.model, served_model_names)
+        token_ids = await asyncio.to_thread(tokenize_sync, request)
         return TokenizeResponse(
-            count=len(token_ids), max_model_len=engine.max_model_len, tokens=list(token_ids)
+            count=len(token_ids), max_model_len=engine.max_model_len, tokens=token_ids
         )
+
+    def detokenize_sync(tokens: list[int]) -> str:
+        vocab_size = len(tokenizer)
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(400, f"token id {bad[0]} is outside [0, {vocab_size})", "tokens")
+        text: str = tokenizer.decode(tokens)
+        return text
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         check_model(request.model, served_model_names)
-        vocab_size = len(tokenizer)
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise OpenAIError(400, f"token id {bad[0]} is outside [0, {vocab_size})", "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize_sync, request.tokens))
 
     @app.get("/health")
     async def health() -> Response:

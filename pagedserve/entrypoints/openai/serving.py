@@ -3,6 +3,7 @@ parameters, logprob formats, SSE framing and disconnect handling."""
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Protocol
@@ -24,6 +25,8 @@ from .protocol import (
     SamplingFields,
     TopLogprob,
 )
+
+logger = logging.getLogger(__name__)
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -85,7 +88,9 @@ def to_openai_error(exc: Exception) -> OpenAIError:
             "the engine core has failed and cannot serve requests; restart the server (the "
             "server log has the cause)",
         )
-    return OpenAIError(500, f"internal error: {exc!r}")
+    # A bug: the exception text may hold paths, prompts or other requests' state. The server
+    # log gets it (with its traceback, where the error is caught); the client a plain line.
+    return OpenAIError(500, "internal server error; the server log has the details")
 
 
 def check_model(model: str | None, served_model_names: list[str]) -> None:
@@ -135,6 +140,15 @@ def check_unsupported(request: SamplingFields) -> None:
             )
 
 
+def check_stream_options(request: SamplingFields) -> None:
+    """400 for `stream_options` without `stream: true` (vLLM and OpenAI refuse it too: the
+    options would be silently ignored)."""
+    if request.stream_options is not None and not request.stream:
+        raise OpenAIError(
+            400, "stream_options can only be given when stream is true", "stream_options"
+        )
+
+
 def sampling_params(
     request: SamplingFields,
     max_tokens: int | None,
@@ -143,8 +157,9 @@ def sampling_params(
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams of a request (raises InvalidRequestError naming the bad field, and
-    OpenAIError 400 for a feature we do not implement)."""
+    OpenAIError 400 for a feature we do not implement or `stream_options` without `stream`)."""
     check_unsupported(request)
+    check_stream_options(request)
     return SamplingParams(
         n=request.n,
         best_of=best_of,
@@ -267,6 +282,8 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse_error(exc: Exception) -> Iterator[str]:
     """How a stream that already sent its headers reports an error, then ends."""
     error = to_openai_error(exc)
+    if error.status_code == 500:
+        logger.error("stream failed", exc_info=exc)
     yield sse(error_body(error.status_code, str(error), error.param))
     yield SSE_DONE
 

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: chat template, then generation, whole or as SSE deltas."""
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,6 +40,26 @@ from .serving import (
     sampling_params,
     sse,
 )
+
+logger = logging.getLogger(__name__)
+
+
+def chat_template_error(exc: Exception) -> OpenAIError:
+    """The 400 of a chat template that failed on a request's messages. Only a template's own
+    `raise_exception("...")` (a plain jinja2 TemplateError) is worded for users, so only its
+    message is passed on; any other error (a missing field, a type error, a bad keyword in
+    chat_template_kwargs) names internal functions and variables: it goes to the log."""
+    import jinja2
+
+    if type(exc) is jinja2.TemplateError:
+        return OpenAIError(400, f"the chat template refused these messages: {exc}", "messages")
+    logger.info("chat template failed: %r", exc)
+    return OpenAIError(
+        400,
+        "the chat template could not render these messages; check their roles and content, "
+        "and chat_template_kwargs",
+        "messages",
+    )
 
 
 def render_chat(
@@ -85,10 +106,8 @@ def render_chat(
             tokenize=False,
             **(chat_template_kwargs or {}),
         )
-    except Exception as e:  # jinja2 errors: the template refused these messages
-        raise OpenAIError(
-            400, f"the chat template failed on these messages: {e}", "messages"
-        ) from e
+    except Exception as e:  # the template refused these messages
+        raise chat_template_error(e) from e
     if max_model_len is not None:  # refuse megabytes before tokenizing them
         check_prompt_chars(tokenizer, text, max_model_len, "messages")
     return text, list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,181 @@
+"""The server's edge, in process (httpx over ASGI against `build_app` with the real
+AsyncLLMEngine on the bundled stories260k model): what runs off the event loop, request
+validation that needs no generation, and error bodies."""
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.entrypoints.openai.api_server import build_app
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+class InProcess:
+    """One engine, its app and one event loop for all the module's tests (the engine's
+    methods must be called from one loop)."""
+
+    def __init__(self, **app_kwargs: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        args = EngineArgs(device="cpu", kv_cache_memory_bytes=8 * 2**20)
+        self.engine = AsyncLLMEngine.from_engine_args(args, log_stats=False)
+        self.app = build_app(self.engine, ["stories"], chat_template=TEMPLATE, **app_kwargs)
+        self.tokenizer = self.engine.get_tokenizer()
+
+    def client(self) -> httpx.AsyncClient:
+        transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)
+        return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60)
+
+    def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        return self.loop.run_until_complete(coroutine)
+
+    def post(self, path: str, body: Any) -> httpx.Response:
+        async def post() -> httpx.Response:
+            self.engine.start()
+            async with self.client() as client:
+                return await client.post(path, json=body)
+
+        return self.run(post())
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[InProcess]:
+    running = InProcess()
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert error["code"] == status
+    return error
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("options", [{"include_usage": True}, {"include_usage": False}])
+def test_stream_options_without_stream_is_400(
+    server: InProcess, path: str, options: dict[str, Any]
+) -> None:
+    """It was accepted and ignored; vLLM refuses it ("only when stream=True")."""
+    body: dict[str, Any] = {"max_tokens": 2, "stream": False, "stream_options": options}
+    body.update({"prompt": "Hi"} if "chat" not in path else {"messages": MESSAGES})
+    assert error_of(server.post(path, body), 400)["param"] == "stream_options"
+    body.pop("stream")  # the default is not streaming either
+    assert error_of(server.post(path, body), 400)["param"] == "stream_options"
+    body["stream"] = True
+    assert server.post(path, body).status_code == 200
+
+
+class Gate:
+    """Wraps a tokenizer method so that the call blocks until the gate opens (or 20 s pass)
+    and records the order of events: run on the event loop, it would stall /health."""
+
+    def __init__(self, tokenizer: Any, name: str, events: list[str]) -> None:
+        self.tokenizer, self.name, self.events = tokenizer, name, events
+        self.original = getattr(tokenizer, name)
+        self.opened = threading.Event()
+        self.entered = threading.Event()
+
+    def __enter__(self) -> "Gate":
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            self.entered.set()
+            self.opened.wait(timeout=20.0)  # only reached when the loop was blocked
+            self.events.append(f"{self.name} done")
+            return self.original(*args, **kwargs)
+
+        setattr(self.tokenizer, self.name, gated)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.opened.set()
+        delattr(self.tokenizer, self.name)  # the class's method again
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "method"),
+    [
+        ("/tokenize", {"prompt": "Once upon a time"}, "encode"),
+        ("/tokenize", {"messages": MESSAGES}, "apply_chat_template"),
+        ("/detokenize", {"tokens": [1, 2, 3]}, "decode"),
+        ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 2}, "encode"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}, "apply_chat_template"),
+    ],
+)
+def test_health_answers_while_a_request_tokenizes(
+    server: InProcess, path: str, body: dict[str, Any], method: str
+) -> None:
+    """A 4.8 MB /tokenize held /health for seconds: the handler tokenized on the event loop.
+    Here the tokenizer call blocks until /health has answered; on the loop it could not."""
+    events: list[str] = []
+
+    async def scenario() -> httpx.Response:
+        server.engine.start()
+        async with server.client() as client:
+            slow = asyncio.create_task(client.post(path, json=body))
+            while not gate.entered.is_set() and not slow.done():
+                await asyncio.sleep(0.01)
+            health = await client.get("/health")
+            events.append(f"health {health.status_code}")
+            gate.opened.set()
+            return await slow
+
+    with Gate(server.tokenizer, method, events) as gate:
+        response = server.run(scenario())
+    assert response.status_code == 200, response.text
+    assert events[:2] == ["health 200", f"{method} done"], events
+
+
+def test_500_bodies_hide_the_exception(
+    server: InProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 500 carried `internal error: RuntimeError('...')`: file paths, other requests'
+    state. The client gets a plain line; the log the exception."""
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("secret /srv/path detail")
+
+    monkeypatch.setattr(server.tokenizer, "decode", broken)
+    error = error_of(server.post("/detokenize", {"tokens": [5]}), 500)
+    assert "secret" not in error["message"] and "RuntimeError" not in error["message"]
+    assert "internal server error" in error["message"]
+    assert "secret /srv/path detail" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"chat_template_kwargs": {"tokenize": True}},  # named apply_chat_template()
+        {"chat_template_kwargs": {"conversation": []}},
+    ],
+)
+def test_chat_template_400s_name_no_internals(server: InProcess, extra: dict[str, Any]) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 2, **extra}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = error_of(server.post(path, body), 400)
+        assert error["param"] == "messages"
+        for internal in ("apply_chat_template", "()", "Traceback", "Error"):
+            assert internal not in error["message"], error
+
+
+def test_template_raise_exception_message_reaches_the_user() -> None:
+    from pagedserve.entrypoints.openai.serving_chat import chat_template_error
+
+    jinja2 = pytest.importorskip("jinja2")
+    own = chat_template_error(jinja2.TemplateError("roles must alternate user/assistant"))
+    assert own.status_code == 400 and "roles must alternate" in str(own)
+    other = chat_template_error(jinja2.UndefinedError("'dict object' has no attribute 'x'"))
+    assert "dict object" not in str(other)
