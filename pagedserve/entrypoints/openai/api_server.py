@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__, envs
 from pagedserve.engine.input_processor import check_prompt_chars
-from pagedserve.errors import PagedServeError
+from pagedserve.errors import EngineDeadError, PagedServeError
 
 from .protocol import (
     ChatCompletionRequest,
@@ -105,6 +105,28 @@ def _add_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(error_class, on_error)
 
 
+_DEATH_POLL_S = 0.2
+
+
+async def _call_on_death(engine: Engine, on_engine_death: Callable[[], None]) -> None:
+    """Poll the engine's health; once it is dead, call `on_engine_death`. The engine fails
+    its pending requests when it notices the death (before check_health raises), so their
+    handlers already hold their 503s when the server starts to shut down (uvicorn lets
+    in-flight responses finish)."""
+    while True:
+        try:
+            await engine.check_health()
+        except EngineDeadError as e:
+            logger.error(
+                "the engine core died (%s); exiting so that a supervisor can restart the "
+                "server (--keep-alive-on-engine-death keeps it answering 503 instead)",
+                e,
+            )
+            on_engine_death()
+            return
+        await asyncio.sleep(_DEATH_POLL_S)
+
+
 def build_app(
     engine: Engine,
     served_model_names: list[str],
@@ -113,13 +135,24 @@ def build_app(
     chat_template: str | None = None,
     registry: CollectorRegistry | None = None,
     model_root: str | None = None,
+    on_engine_death: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows."""
+    """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows.
+
+    `on_engine_death` (None: keep answering 503) is called once, while the app runs, soon
+    after the engine core dies; the pending requests have been failed by then."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        yield
+        watcher = None
+        if on_engine_death is not None:
+            watcher = asyncio.create_task(_call_on_death(engine, on_engine_death))
+        try:
+            yield
+        finally:
+            if watcher is not None:
+                watcher.cancel()
 
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
     _add_error_handlers(app)
@@ -275,6 +308,11 @@ def run_server(args: argparse.Namespace) -> None:
     except ValueError as e:
         sock.close()
         raise SystemExit(f"pagedserve serve: error: {e}") from None
+    server: list[uvicorn.Server] = []  # made once the app exists
+
+    def exit_server() -> None:  # vLLM's default too (unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)
+        server[0].should_exit = True
+
     try:
         app = build_app(
             engine,
@@ -283,14 +321,20 @@ def run_server(args: argparse.Namespace) -> None:
             chat_template=chat_template,
             registry=metrics.registry,
             model_root=args.model,
+            on_engine_death=None if args.keep_alive_on_engine_death else exit_server,
         )
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+        server.append(uvicorn.Server(config))
         port = sock.getsockname()[1]  # the one the system chose for --port 0
         logger.info("serving %s on http://%s:%d", args.served_model_name, args.host, port)
-        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+        asyncio.run(server[0].serve(sockets=[sock]))
     finally:
         engine.shutdown()
         sock.close()
+    if engine.errored:
+        # A nonzero status, so that supervisors restarting on failure (systemd's
+        # Restart=on-failure) restart it.
+        raise SystemExit("pagedserve serve: the engine core died; see the log above")
 
 
 def main(argv: list[str] | None = None) -> int:

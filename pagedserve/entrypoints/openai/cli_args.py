@@ -50,6 +50,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Jinja chat template: a file, or the template itself (default: the tokenizer's)",
     )
     server.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="when the engine core dies, keep serving (every request then gets a 503) "
+        "instead of exiting with status 1 so that a supervisor restarts the server "
+        "(vLLM: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1)",
+    )
+    server.add_argument(
         "--disable-log-requests", action="store_true", help="do not log each request"
     )
     server.add_argument(
