@@ -24,9 +24,18 @@ from pagedserve import __version__, envs
 from pagedserve.engine.input_processor import check_prompt_chars
 from pagedserve.errors import EngineDeadError, PagedServeError
 
+from .openapi import (
+    BODY_ERRORS,
+    GENERATION_ERRORS,
+    error_responses,
+    install_openapi,
+    streamed_or_whole,
+)
 from .protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -92,7 +101,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(OpenAIError(exc.status_code, str(exc.detail)))
+        response = _error_response(OpenAIError(exc.status_code, str(exc.detail)))
+        response.headers.update(exc.headers or {})  # a 405's `Allow`
+        return response
 
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         error = to_openai_error(exc)
@@ -155,6 +166,7 @@ def build_app(
                 watcher.cancel()
 
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
+    install_openapi(app)
     _add_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -162,15 +174,26 @@ def build_app(
     chat = OpenAIServingChat(engine, served_model_names, chat_template)
     tokenizer = engine.get_tokenizer()
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={**streamed_or_whole(CompletionResponse), **error_responses(*GENERATION_ERRORS)},
+    )
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
         return await completions.create_completion(request, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={
+            **streamed_or_whole(ChatCompletionResponse),
+            **error_responses(*GENERATION_ERRORS),
+        },
+    )
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
         return await chat.create_chat_completion(request, raw_request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401, 500))
     async def show_models() -> ModelList:
         cards = [
             ModelCard(id=name, root=model_root, max_model_len=engine.max_model_len)
@@ -197,8 +220,10 @@ def build_app(
 
     # Tokenizing, rendering templates and decoding run in a thread: on the event loop, a
     # megabyte prompt would hold up every other request (/health included) for seconds.
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Any:
+    @app.post("/tokenize", responses=error_responses(*BODY_ERRORS))
+    async def tokenize(
+        request: TokenizeChatRequest | TokenizeCompletionRequest,
+    ) -> TokenizeResponse:
         check_model(request.model, served_model_names)
         token_ids = await asyncio.to_thread(tokenize_sync, request)
         return TokenizeResponse(
@@ -213,12 +238,17 @@ def build_app(
         text: str = tokenizer.decode(tokens)
         return text
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=error_responses(*BODY_ERRORS))
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         check_model(request.model, served_model_names)
         return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize_sync, request.tokens))
 
-    @app.get("/health")
+    # As vLLM's: 200 with an empty body, 503 once the engine core is dead.
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "healthy (empty body)"}, **error_responses(503)},
+    )
     async def health() -> Response:
         await engine.check_health()  # EngineDeadError -> 503
         return Response(status_code=200)
@@ -227,7 +257,16 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus metrics, in its text format",
+                "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def metrics() -> Response:
         data = generate_latest(registry) if registry is not None else b""
         return Response(content=data, media_type=CONTENT_TYPE_LATEST)

@@ -46,6 +46,7 @@ class InProcess:
 
     def close(self) -> None:
         self.engine.shutdown()
+        self.loop.run_until_complete(asyncio.sleep(0.1))  # let the cancelled tasks end
         self.loop.close()
 
 
@@ -179,3 +180,104 @@ def test_template_raise_exception_message_reaches_the_user() -> None:
     assert own.status_code == 400 and "roles must alternate" in str(own)
     other = chat_template_error(jinja2.UndefinedError("'dict object' has no attribute 'x'"))
     assert "dict object" not in str(other)
+
+
+def test_405_carries_allow(server: InProcess) -> None:
+    async def put() -> httpx.Response:
+        async with server.client() as client:
+            return await client.put("/v1/completions", json={})
+
+    response = server.run(put())
+    assert error_of(response, 405)["type"]
+    assert response.headers["allow"] == "POST"
+
+
+def test_openapi_documents_what_the_server_answers(server: InProcess) -> None:
+    schema = server.app.openapi()
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            assert "422" not in operation["responses"], (method, path)  # it answers 400
+    health = schema["paths"]["/health"]["get"]["responses"]["200"]
+    assert not health.get("content")  # as vLLM: an empty body
+
+    async def get_health() -> httpx.Response:
+        async with server.client() as client:
+            return await client.get("/health")
+
+    response = server.run(get_health())
+    assert response.status_code == 200 and response.content == b""
+
+
+def test_schema_fuzzing_finds_no_5xx_and_no_undocumented_answer(
+    server: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """schemathesis over /openapi.json, a few examples per operation, valid and invalid:
+    no 5xx, and every status, content type, header and body as documented."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_headers_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    monkeypatch.setenv("PAGEDSERVE_MAX_N_SEQUENCES", "4")  # keep generated requests small
+    checks = [
+        not_a_server_error,
+        status_code_conformance,
+        content_type_conformance,
+        response_headers_conformance,
+        response_schema_conformance,
+    ]
+    schema = schemathesis.openapi.from_dict(server.app.openapi())
+    fuzz_settings = settings(
+        max_examples=10,
+        deadline=None,
+        derandomize=True,  # the same requests every run: a failure reproduces
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    seen: set[int] = set()
+
+    async def send(kwargs: dict[str, Any]) -> httpx.Response:
+        server.engine.start()
+        body = kwargs.get("json")
+        if isinstance(body, dict) and "v1" in kwargs["url"]:
+            # Generation length is not what is fuzzed: keep it short (chat's default is the
+            # rest of the context).
+            for name in ("max_tokens", "max_completion_tokens"):
+                if isinstance(body.get(name), int) and body[name] > 8:
+                    body[name] = 8
+            if body.get("max_completion_tokens") is None:
+                body.setdefault("max_tokens", 8)
+        async with server.client() as client:
+            return await client.request(
+                kwargs["method"],
+                kwargs["url"],
+                headers=kwargs.get("headers"),
+                params=kwargs.get("params"),
+                json=kwargs.get("json"),
+                content=kwargs.get("data"),
+            )
+
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+            @fuzz_settings
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def check(case: Any) -> None:
+                response = server.run(send(case.as_transport_kwargs(base_url="http://test")))
+                seen.add(response.status_code)
+                case.validate_response(response, checks=checks)
+
+            try:
+                check()
+            except Unsatisfiable:  # no invalid request exists (an operation without inputs)
+                assert mode == GenerationMode.NEGATIVE
+    assert {200, 400} <= seen, seen  # it did reach the handlers, with good and bad requests
