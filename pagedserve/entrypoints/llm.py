@@ -11,6 +11,7 @@ from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from pagedserve.engine.beam_search import BeamSearchOutput, beam_search
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.prompt_bound import check_prompt_chars
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -182,6 +183,9 @@ class LLM:
                 continue_final_message=continue_final_message,
                 tokenize=False,
             )
+            # Refuse megabytes before tokenizing them, as generate() and the server do.
+            max_model_len = self.llm_engine.config.model_config.max_model_len
+            check_prompt_chars(tokenizer, text, max_model_len, "messages")
             # The template already holds any BOS: do not add special tokens a second time.
             token_ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})

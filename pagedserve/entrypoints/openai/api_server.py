@@ -21,9 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__, envs
-from pagedserve.engine.input_processor import check_prompt_chars
+from pagedserve.engine.prompt_bound import check_prompt_chars
 from pagedserve.errors import EngineDeadError, PagedServeError
 
+from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from .openapi import (
     BODY_ERRORS,
     GENERATION_ERRORS,
@@ -147,6 +148,7 @@ def build_app(
     registry: CollectorRegistry | None = None,
     model_root: str | None = None,
     on_engine_death: Callable[[], None] | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows.
 
@@ -168,7 +170,8 @@ def build_app(
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
     install_openapi(app)
     _add_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:  # added last, so it runs first: no body is read for an unauthorized request
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names, chat_template)
@@ -361,6 +364,7 @@ def run_server(args: argparse.Namespace) -> None:
             registry=metrics.registry,
             model_root=args.model,
             on_engine_death=None if args.keep_alive_on_engine_death else exit_server,
+            max_request_body_bytes=args.max_request_body_bytes,
         )
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
         server.append(uvicorn.Server(config))

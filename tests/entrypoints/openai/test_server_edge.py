@@ -281,3 +281,49 @@ def test_schema_fuzzing_finds_no_5xx_and_no_undocumented_answer(
             except Unsatisfiable:  # no invalid request exists (an operation without inputs)
                 assert mode == GenerationMode.NEGATIVE
     assert {200, 400} <= seen, seen  # it did reach the handlers, with good and bad requests
+
+
+MEGABYTES = "hello " * 350_000  # 2.1 MB: under the body limit, far over max_model_len (512)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": MEGABYTES, "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"prompt": ["x", MEGABYTES], "max_tokens": 4}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": MEGABYTES}]}, None),
+        ("/tokenize", {"prompt": MEGABYTES}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": MEGABYTES}]}, "messages"),
+    ],
+)
+def test_megabyte_prompts_are_400_before_tokenizing(
+    server: InProcess, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    """The bundled model's tokenizer (fuse_unk, with byte fallback) had no bound: such a
+    prompt was tokenized in full (20 MB: 24 s and 2.9 GB) before its 400, on every path."""
+    error = error_of(server.post(path, body), 400)
+    assert "characters) is too long" in error["message"], error
+    assert error["param"] == (param or "messages")
+
+
+def test_body_over_the_limit_is_413_with_or_without_content_length(server: InProcess) -> None:
+    small = build_app(server.engine, ["stories"], max_request_body_bytes=1000)
+    big = {"prompt": "x" * 2000, "max_tokens": 2}
+
+    async def chunks() -> Any:
+        for _ in range(100):  # a streamed body: no Content-Length
+            yield b'{"prompt": "' if _ == 0 else b"x" * 100
+
+    async def scenario() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=small)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            declared = await client.post("/v1/completions", json=big)
+            streamed = await client.post("/tokenize", content=chunks())
+            fine = await client.post("/tokenize", json={"prompt": "Once"})
+            return [declared, streamed, fine]
+
+    declared, streamed, fine = server.run(scenario())
+    assert "transfer-encoding" in streamed.request.headers
+    for response in (declared, streamed):
+        assert "1000 bytes" in error_of(response, 413)["message"]
+    assert fine.status_code == 200, fine.text
