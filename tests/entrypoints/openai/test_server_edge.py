@@ -3,6 +3,7 @@ AsyncLLMEngine on the bundled stories260k model): what runs off the event loop, 
 validation that needs no generation, and error bodies."""
 
 import asyncio
+import json
 import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any
@@ -327,3 +328,47 @@ def test_body_over_the_limit_is_413_with_or_without_content_length(server: InPro
     for response in (declared, streamed):
         assert "1000 bytes" in error_of(response, 413)["message"]
     assert fine.status_code == 200, fine.text
+
+
+def test_tokenizing_stops_when_the_client_is_gone(server: InProcess) -> None:
+    """A request's tokenizing went on after its client left (18 minutes for one prompt).
+    Here the first of three prompts is held in the tokenizer while the client disconnects:
+    the handler returns at once and the other two prompts are never tokenized."""
+    events: list[str] = []
+    body = json.dumps({"prompt": ["Once", "upon", "a"], "max_tokens": 2}).encode()
+    gone = asyncio.Event()
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        if not sent:
+            sent.append(None)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "root_path": "", "query_string": b"", "server": ("test", 80), "client": ("c", 1),
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+    }  # fmt: skip
+
+    async def scenario() -> None:
+        server.engine.start()
+        call = asyncio.create_task(server.app(scope, receive, send))
+        while not gate.entered.is_set():
+            await asyncio.sleep(0.01)
+        gone.set()
+        await call  # returns while the tokenizer still holds the first prompt
+        events.append("handler returned")
+        gate.opened.set()
+        while len(events) < 2:  # the thread finishes the first prompt, then stops
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # room for a (wrong) second encode to show up
+
+    with Gate(server.tokenizer, "encode", events) as gate:
+        server.run(scenario())
+    assert events == ["handler returned", "encode done"], events
