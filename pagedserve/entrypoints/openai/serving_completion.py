@@ -15,6 +15,7 @@ from pagedserve.engine.detokenizer import decode_token_for_logprob
 from pagedserve.engine.input_processor import PromptType, check_prompt_chars
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
+from .off_loop import Cancelled, run_off_loop
 from .protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -25,7 +26,6 @@ from .protocol import (
 )
 from .serving import (
     SSE_DONE,
-    Cancelled,
     DisconnectWatcher,
     Engine,
     OpenAIError,
@@ -34,7 +34,6 @@ from .serving import (
     completion_logprobs,
     guarded_stream,
     merge_streams,
-    run_off_loop,
     sampling_params,
     sse,
 )
