@@ -1,11 +1,13 @@
 """InputProcessor: tokenize and validate a prompt, resolving its sampling parameters."""
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.engine.prompt_bound import (  # re-exported: the handlers import it from here
+    check_prompt_chars as check_prompt_chars,
+)
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams, is_default_max_tokens
 
@@ -211,32 +213,3 @@ class InputProcessor:
         if check_length:
             check_prompt_chars(self.tokenizer, text, self.max_model_len)
         return list(self.tokenizer.encode(text))
-
-
-@functools.lru_cache(maxsize=8)  # holds the tokenizer, so its cached bound never goes stale
-def longest_token_chars(tokenizer: Any) -> int | None:
-    """Characters in the longest vocabulary entry of a BPE tokenizer that does not fuse
-    unknown characters (byte-level BPE spells each byte as one character, SentencePiece a
-    space as one; no token decodes to more characters than it spells). None when that bound
-    does not hold: no fast tokenizer, another model, or `fuse_unk` (a run of unknown
-    characters becomes one token)."""
-    model = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
-    if type(model).__name__ != "BPE" or getattr(model, "fuse_unk", False):
-        return None
-    return max((len(token) for token in tokenizer.get_vocab()), default=0) or None
-
-
-def check_prompt_chars(
-    tokenizer: Any, text: str, max_model_len: int, param: str = "prompt"
-) -> None:
-    """Refuse, before tokenizing, a text too long to be max_model_len tokens: no token covers
-    more than `longest_token_chars` characters. Saves the seconds and memory of tokenizing
-    megabytes only to refuse the result. Raises InvalidRequestError naming `param`."""
-    longest = longest_token_chars(tokenizer)
-    if longest is not None and len(text) > max_model_len * longest:
-        raise InvalidRequestError(
-            f"the prompt ({len(text)} characters) is too long: this tokenizer's tokens hold "
-            f"at most {longest} characters, so it is more than max_model_len "
-            f"({max_model_len}) tokens",
-            param,
-        )

@@ -4,11 +4,14 @@ No FastAPI here: the offline path imports it. Errors are InvalidRequestError (a 
 HTTP 400 on the server) naming the request field at fault.
 """
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedserve.engine.input_processor import check_prompt_chars
 from pagedserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 # Message keys passed on to the template besides role and content (vLLM passes these too).
 _PASSED_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
@@ -81,6 +84,24 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return normalized
 
 
+def chat_template_error(exc: Exception) -> InvalidRequestError:
+    """The error of a chat template that failed on a conversation. Only a template's own
+    `raise_exception("...")` (a plain jinja2 TemplateError) is worded for users, so only its
+    message is passed on; any other error (a missing field, a type error, a bad keyword in
+    chat_template_kwargs) names internal functions and variables: it goes to the log (and
+    stays the raised error's __cause__ for offline callers)."""
+    import jinja2
+
+    if type(exc) is jinja2.TemplateError:
+        return InvalidRequestError(f"the chat template refused these messages: {exc}", "messages")
+    logger.info("chat template failed: %r", exc)
+    return InvalidRequestError(
+        "the chat template could not render these messages; check their roles and content, "
+        "and chat_template_kwargs",
+        "messages",
+    )
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -129,10 +150,8 @@ def render_chat(
             tokenize=False,
             **(chat_template_kwargs or {}),
         )
-    except Exception as e:  # jinja2 errors: the template refused these messages
-        raise InvalidRequestError(
-            f"the chat template failed on these messages: {e}", "messages"
-        ) from e
+    except Exception as e:  # the template refused these messages
+        raise chat_template_error(e) from e
     if max_model_len is not None:  # refuse megabytes before tokenizing them
         check_prompt_chars(tokenizer, text, max_model_len, "messages")
     return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -186,6 +186,8 @@ class LLM:
                 add_generation_prompt,
                 continue_final_message,
                 chat_template_kwargs,
+                # Refuse megabytes before tokenizing them, as generate() and the server do.
+                max_model_len=self.llm_engine.config.model_config.max_model_len,
             )
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         params_list = self._params_per_prompt(sampling_params, len(prompts))

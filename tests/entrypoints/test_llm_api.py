@@ -10,7 +10,8 @@ import transformers
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.arg_utils import DEFAULT_MODEL
-from pagedserve.engine.input_processor import InputProcessor, longest_token_chars
+from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.prompt_bound import token_bound
 from pagedserve.errors import InvalidRequestError, UnsupportedModelError
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
@@ -385,8 +386,9 @@ def test_megabyte_prompts_are_refused_before_tokenizing() -> None:
     length check; no token is longer than the vocabulary's longest entry, so the character
     count alone proves it too long."""
     gpt2 = transformers.AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "gpt2")
-    longest = longest_token_chars(gpt2)
-    assert longest is not None and longest >= 2
+    bound = token_bound(gpt2)
+    assert bound is not None and bound[0] >= 2
+    longest = bound[0]
     processor = InputProcessor(gpt2, max_model_len=512, vocab_size=50257, eos_token_ids=())
     too_long = "ab" * (512 * longest)
     with pytest.raises(ValueError, match=r"\(\d+ characters\) is too long") as error:
@@ -399,15 +401,16 @@ def test_megabyte_prompts_are_refused_before_tokenizing() -> None:
     assert len(kept.prompt_token_ids) == 8
 
 
-def test_the_character_bound_is_off_where_it_does_not_hold() -> None:
+def test_a_run_of_unknown_characters_counts_as_one_token_in_the_bound() -> None:
     """A BPE with fuse_unk and no byte for a character (tinystories-656k) turns a run of
     unknown characters into one token: 40,000 CJK characters are a handful of tokens there,
-    and must not be refused."""
+    and must not be refused; known characters still count, so megabytes are refused."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(SHARED / "models" / "tinystories-656k")
-    assert longest_token_chars(tokenizer) is None
     processor = InputProcessor(tokenizer, max_model_len=512, vocab_size=2048, eos_token_ids=())
     processed = processor.process("中" * 40000 + " Once", SamplingParams(max_tokens=2))
     assert len(processed.prompt_token_ids) < 20
+    with pytest.raises(ValueError, match=r"characters\) is too long"):
+        processor.process("hello " * 1_000_000, SamplingParams(max_tokens=2))
 
 
 @pytest.mark.parametrize(

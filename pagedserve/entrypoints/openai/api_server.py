@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,11 +21,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__, envs
-from pagedserve.errors import PagedServeError
+from pagedserve.engine.prompt_bound import check_prompt_chars
+from pagedserve.errors import EngineDeadError, PagedServeError
 
+from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
+from .openapi import (
+    BODY_ERRORS,
+    GENERATION_ERRORS,
+    error_responses,
+    install_openapi,
+    streamed_or_whole,
+)
 from .protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -91,7 +102,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(OpenAIError(exc.status_code, str(exc.detail)))
+        response = _error_response(OpenAIError(exc.status_code, str(exc.detail)))
+        response.headers.update(exc.headers or {})  # a 405's `Allow`
+        return response
 
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         error = to_openai_error(exc)
@@ -104,6 +117,28 @@ def _add_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(error_class, on_error)
 
 
+_DEATH_POLL_S = 0.2
+
+
+async def _call_on_death(engine: Engine, on_engine_death: Callable[[], None]) -> None:
+    """Poll the engine's health; once it is dead, call `on_engine_death`. The engine fails
+    its pending requests when it notices the death (before check_health raises), so their
+    handlers already hold their 503s when the server starts to shut down (uvicorn lets
+    in-flight responses finish)."""
+    while True:
+        try:
+            await engine.check_health()
+        except EngineDeadError as e:
+            logger.error(
+                "the engine core died (%s); exiting so that a supervisor can restart the "
+                "server (--keep-alive-on-engine-death keeps it answering 503 instead)",
+                e,
+            )
+            on_engine_death()
+            return
+        await asyncio.sleep(_DEATH_POLL_S)
+
+
 def build_app(
     engine: Engine,
     served_model_names: list[str],
@@ -112,31 +147,56 @@ def build_app(
     chat_template: str | None = None,
     registry: CollectorRegistry | None = None,
     model_root: str | None = None,
+    on_engine_death: Callable[[], None] | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
-    """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows."""
+    """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows.
+
+    `on_engine_death` (None: keep answering 503) is called once, while the app runs, soon
+    after the engine core dies; the pending requests have been failed by then."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        yield
+        watcher = None
+        if on_engine_death is not None:
+            watcher = asyncio.create_task(_call_on_death(engine, on_engine_death))
+        try:
+            yield
+        finally:
+            if watcher is not None:
+                watcher.cancel()
 
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
+    install_openapi(app)
     _add_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    if api_key:  # added last, so it runs first: no body is read for an unauthorized request
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names, chat_template)
     tokenizer = engine.get_tokenizer()
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={**streamed_or_whole(CompletionResponse), **error_responses(*GENERATION_ERRORS)},
+    )
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
         return await completions.create_completion(request, raw_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={
+            **streamed_or_whole(ChatCompletionResponse),
+            **error_responses(*GENERATION_ERRORS),
+        },
+    )
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
         return await chat.create_chat_completion(request, raw_request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401, 500))
     async def show_models() -> ModelList:
         cards = [
             ModelCard(id=name, root=model_root, max_model_len=engine.max_model_len)
@@ -144,29 +204,44 @@ def build_app(
         ]
         return ModelList(data=cards)
 
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Any:
-        check_model(request.model, served_model_names)
+    def tokenize_sync(request: TokenizeChatRequest | TokenizeCompletionRequest) -> list[int]:
         if isinstance(request, TokenizeChatRequest):
-            _, token_ids = chat_prompt(tokenizer, request, chat_template)
-        else:
-            token_ids = tokenizer.encode(
-                request.prompt, add_special_tokens=request.add_special_tokens
-            )
+            _, token_ids = chat_prompt(tokenizer, request, chat_template, engine.max_model_len)
+            return token_ids
+        check_prompt_chars(tokenizer, request.prompt, engine.max_model_len)
+        return list(tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+
+    # Tokenizing, rendering templates and decoding run in a thread: on the event loop, a
+    # megabyte prompt would hold up every other request (/health included) for seconds.
+    @app.post("/tokenize", responses=error_responses(*BODY_ERRORS))
+    async def tokenize(
+        request: TokenizeChatRequest | TokenizeCompletionRequest,
+    ) -> TokenizeResponse:
+        check_model(request.model, served_model_names)
+        token_ids = await asyncio.to_thread(tokenize_sync, request)
         return TokenizeResponse(
-            count=len(token_ids), max_model_len=engine.max_model_len, tokens=list(token_ids)
+            count=len(token_ids), max_model_len=engine.max_model_len, tokens=token_ids
         )
 
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        check_model(request.model, served_model_names)
+    def detokenize_sync(tokens: list[int]) -> str:
         vocab_size = len(tokenizer)
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
         if bad:
             raise OpenAIError(400, f"token id {bad[0]} is outside [0, {vocab_size})", "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens))
+        text: str = tokenizer.decode(tokens)
+        return text
 
-    @app.get("/health")
+    @app.post("/detokenize", responses=error_responses(*BODY_ERRORS))
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(request.model, served_model_names)
+        return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize_sync, request.tokens))
+
+    # As vLLM's: 200 with an empty body, 503 once the engine core is dead.
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "healthy (empty body)"}, **error_responses(503)},
+    )
     async def health() -> Response:
         await engine.check_health()  # EngineDeadError -> 503
         return Response(status_code=200)
@@ -175,7 +250,16 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus metrics, in its text format",
+                "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def metrics() -> Response:
         data = generate_latest(registry) if registry is not None else b""
         return Response(content=data, media_type=CONTENT_TYPE_LATEST)
@@ -258,6 +342,11 @@ def run_server(args: argparse.Namespace) -> None:
     except ValueError as e:
         sock.close()
         raise SystemExit(f"pagedserve serve: error: {e}") from None
+    server: list[uvicorn.Server] = []  # made once the app exists
+
+    def exit_server() -> None:  # vLLM's default too (unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)
+        server[0].should_exit = True
+
     try:
         app = build_app(
             engine,
@@ -266,14 +355,21 @@ def run_server(args: argparse.Namespace) -> None:
             chat_template=chat_template,
             registry=metrics.registry,
             model_root=args.model,
+            on_engine_death=None if args.keep_alive_on_engine_death else exit_server,
+            max_request_body_bytes=args.max_request_body_bytes,
         )
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+        server.append(uvicorn.Server(config))
         port = sock.getsockname()[1]  # the one the system chose for --port 0
         logger.info("serving %s on http://%s:%d", args.served_model_name, args.host, port)
-        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+        asyncio.run(server[0].serve(sockets=[sock]))
     finally:
         engine.shutdown()
         sock.close()
+    if engine.errored:
+        # A nonzero status, so that supervisors restarting on failure (systemd's
+        # Restart=on-failure) restart it.
+        raise SystemExit("pagedserve serve: the engine core died; see the log above")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ import math
 from pagedserve import envs
 from pagedserve.engine.arg_utils import add_engine_args
 
+from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+
 
 def port(text: str) -> int:
     """argparse type of --port (its name appears in "invalid port value")."""
@@ -21,6 +23,14 @@ def seconds(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a positive integer."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
 
 
@@ -48,6 +58,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--chat-template",
         default=None,
         help="Jinja chat template: a file, or the template itself (default: the tokenizer's)",
+    )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="largest request body accepted; a larger one gets 413 before it is read "
+        "(default: %(default)s, 16 MiB)",
+    )
+    server.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="when the engine core dies, keep serving (every request then gets a 503) "
+        "instead of exiting with status 1 so that a supervisor restarts the server "
+        "(vLLM: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1)",
     )
     server.add_argument(
         "--disable-log-requests", action="store_true", help="do not log each request"

@@ -3,6 +3,7 @@ parameters, SSE framing and disconnect handling (logprob formats: serving_logpro
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
@@ -21,6 +22,8 @@ from .protocol import (
     ErrorResponse,
     SamplingFields,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
@@ -80,7 +83,9 @@ def to_openai_error(exc: Exception) -> OpenAIError:
             "the engine core has failed and cannot serve requests; restart the server (the "
             "server log has the cause)",
         )
-    return OpenAIError(500, f"internal error: {exc!r}")
+    # A bug: the exception text may hold paths, prompts or other requests' state. The server
+    # log gets it (with its traceback, where the error is caught); the client a plain line.
+    return OpenAIError(500, "internal server error; the server log has the details")
 
 
 def check_model(model: str | None, served_model_names: list[str]) -> None:
@@ -130,6 +135,15 @@ def check_unsupported(request: SamplingFields) -> None:
             )
 
 
+def check_stream_options(request: SamplingFields) -> None:
+    """400 for `stream_options` without `stream: true` (vLLM and OpenAI refuse it too: the
+    options would be silently ignored)."""
+    if request.stream_options is not None and not request.stream:
+        raise OpenAIError(
+            400, "stream_options can only be given when stream is true", "stream_options"
+        )
+
+
 def sampling_params(
     request: SamplingFields,
     max_tokens: int | None,
@@ -138,8 +152,9 @@ def sampling_params(
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams of a request (raises InvalidRequestError naming the bad field, and
-    OpenAIError 400 for a feature we do not implement)."""
+    OpenAIError 400 for a feature we do not implement or `stream_options` without `stream`)."""
     check_unsupported(request)
+    check_stream_options(request)
     return SamplingParams(
         n=request.n,
         best_of=best_of,
@@ -262,6 +277,8 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse_error(exc: Exception) -> Iterator[str]:
     """How a stream that already sent its headers reports an error, then ends."""
     error = to_openai_error(exc)
+    if error.status_code == 500:
+        logger.error("stream failed", exc_info=exc)
     yield sse(error_body(error.status_code, str(error), error.param))
     yield SSE_DONE
 

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: chat template, then generation, whole or as SSE deltas."""
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,6 +41,8 @@ from .serving import (
     sse,
 )
 from .serving_logprobs import chat_logprobs, check_prompt_logprobs, prompt_logprobs_json
+
+logger = logging.getLogger(__name__)
 
 
 def chat_prompt(

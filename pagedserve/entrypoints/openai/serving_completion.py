@@ -1,6 +1,7 @@
 """POST /v1/completions: prompts in, completions out, whole or as server-sent events."""
 
-import asyncio
+import functools
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pagedserve.engine.logprob_text import first_token_text
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import DEFAULT_MAX_TOKENS
 
+from .off_loop import Cancelled, run_off_loop
 from .protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -70,8 +72,8 @@ class OpenAIServingCompletion:
             raise OpenAIError(400, "best_of other than n cannot be streamed", "best_of")
         check_prompt_logprobs(request)
         # Tokenizing can take long (a huge prompt): keep it off the event loop, which serves
-        # every other request.
-        prompts = await asyncio.to_thread(self._prompts, request)
+        # every other request, and stop it when the client leaves.
+        prompts = await run_off_loop(raw_request, functools.partial(self._prompts, request))
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get their logprobs too
@@ -103,7 +105,10 @@ class OpenAIServingCompletion:
             raise OpenAIError(499, "the client disconnected")  # nobody reads this
         return self._response(request, request_id, created, [finals[i] for i in range(len(finals))])
 
-    def _prompts(self, request: CompletionRequest) -> list[PromptType]:
+    def _prompts(
+        self, request: CompletionRequest, cancelled: threading.Event | None = None
+    ) -> list[PromptType]:
+        """Engine prompts of a request, tokenized; stops (Cancelled) once `cancelled` is set."""
         prompt = request.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             items: list[Any] = [prompt]
@@ -113,6 +118,8 @@ class OpenAIServingCompletion:
             raise OpenAIError(400, "prompt must not be empty", "prompt")
         prompts: list[PromptType] = []
         for item in items:
+            if cancelled is not None and cancelled.is_set():  # the client is gone
+                raise Cancelled
             if isinstance(item, str):
                 if self.tokenizer is None:
                     prompts.append(item)  # the engine's own error for this case

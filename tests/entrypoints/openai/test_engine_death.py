@@ -1,5 +1,7 @@
 """A server on a SentencePiece tokenizer (BOS added by encode) with --chat-template FILE; then
-its engine core is killed: every pending and new request fails promptly, /health says 503."""
+its engine core is killed: every pending request fails promptly, then the server exits (status
+1) so that a supervisor restarts it. With --keep-alive-on-engine-death it stays up instead and
+every new request, /health included, gets a 503."""
 
 import os
 import signal
@@ -67,7 +69,14 @@ def test_streamed_equals_non_streamed_with_byte_fallback(doomed: Any) -> None:
     assert streamed == full
 
 
-def test_killed_engine_core_fails_everything_promptly(doomed: Any, sse: Any) -> None:
+def kill_engine_core(running: Any) -> float:
+    os.kill(engine_core_pid(running.process.pid), signal.SIGKILL)
+    return time.monotonic()
+
+
+def test_killed_engine_core_fails_everything_promptly_then_the_server_exits(
+    doomed: Any, sse: Any
+) -> None:
     pending: dict[str, Any] = {}
 
     def wait_whole_response() -> None:
@@ -80,8 +89,7 @@ def test_killed_engine_core_fails_everything_promptly(doomed: Any, sse: Any) -> 
     with httpx.stream("POST", f"{doomed.url}/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")  # generating
-        os.kill(engine_core_pid(doomed.process.pid), signal.SIGKILL)
-        killed = time.monotonic()
+        killed = kill_engine_core(doomed)
         rest = [line for line in lines if line]  # the stream ends by itself
         stream_ended = time.monotonic()
     events = sse("".join(f"{line}\n\n" for line in rest))
@@ -93,14 +101,29 @@ def test_killed_engine_core_fails_everything_promptly(doomed: Any, sse: Any) -> 
     assert not waiter.is_alive()
     assert pending["response"].status_code == 503, pending["response"].text
     assert pending["time"] - killed < 5.0
+    # It answered 503 forever: a supervisor (systemd, Kubernetes) could not tell it to restart.
+    assert doomed.process.wait(timeout=30) == 1, doomed.log()
+    log = doomed.log()
+    assert "the engine core died" in log and "--keep-alive-on-engine-death" in log, log
 
-    start = time.monotonic()
-    assert httpx.get(f"{doomed.url}/health", timeout=5).status_code == 503
-    new = doomed.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}, timeout=5)
-    assert new.status_code == 503 and new.json()["error"]["code"] == 503
-    chat = doomed.post("/v1/chat/completions", {"messages": MESSAGES, "stream": True}, timeout=5)
-    assert chat.status_code == 503
-    assert time.monotonic() - start < 3.0
+
+def test_keep_alive_on_engine_death_answers_503(server_factory: Any) -> None:
+    running = server_factory("llama3", None, ["--keep-alive-on-engine-death"])
+    try:
+        kill_engine_core(running)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{running.url}/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "/health never said 503"
+            time.sleep(0.05)
+        new = running.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}, timeout=5)
+        assert new.status_code == 503 and new.json()["error"]["code"] == 503
+        chat = running.post("/v1/chat/completions", {"messages": MESSAGES, "stream": True})
+        assert chat.status_code == 503
+        time.sleep(1.0)  # several polls of the engine's health: the server stays up
+        assert running.process.poll() is None
+        assert running.get("/health").status_code == 503
+    finally:
+        running.stop()
 
 
 def test_sigterm_to_the_process_group_is_a_clean_stop(server_factory: Any) -> None:
