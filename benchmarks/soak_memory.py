@@ -137,13 +137,19 @@ async def soak(args: argparse.Namespace, url: str, server_pid: int) -> list[dict
                 "max_tokens": args.max_tokens,
                 "temperature": 0.0,
             }
-            response = await client.post(f"{url}/v1/completions", json=body)
-            if response.status_code == 200:
+            try:
+                response = await client.post(f"{url}/v1/completions", json=body)
+                error = "" if response.status_code == 200 else f"HTTP {response.status_code}"
+            except httpx.HTTPError as e:  # counted, not fatal: one dropped connection
+                error = repr(e)  # must not end a run of 200,000
+            if not error:
                 done += 1
-            else:
-                failed += 1
-                if failed <= 3:
-                    print(f"HTTP {response.status_code}: {response.text[:200]}", file=sys.stderr)
+                continue
+            failed += 1
+            if failed <= 5:
+                print(f"request failed after {done} done: {error}", file=sys.stderr)
+            if failed > args.num_requests // 100:
+                raise SystemExit(f"{failed} requests failed; the server log has the cause")
 
     limits = httpx.Limits(max_connections=args.concurrency)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:

@@ -92,8 +92,12 @@ def test_template_errors_are_invalid_requests(tokenizers: dict[str, Any]) -> Non
         render_chat(tokenizers["gpt2"], [{"role": "user", "content": "Hi"}])
     assert error.value.param == "messages"
     failing = "{{ raise_exception('no system messages') }}"
-    with pytest.raises(InvalidRequestError, match="template failed.*no system messages"):
+    with pytest.raises(InvalidRequestError, match="template refused.*no system messages"):
         render_chat(tokenizers["gpt2"], [{"role": "user", "content": "Hi"}], failing)
+    # Other failures name internals: a general message, the details in __cause__.
+    with pytest.raises(InvalidRequestError, match="could not render") as error:
+        render_chat(tokenizers["gpt2"], [{"role": "user", "content": "Hi"}], "{{ x.y.z }}")
+    assert error.value.__cause__ is not None
     with pytest.raises(InvalidRequestError, match="continue_final_message") as error:
         render_chat(
             tokenizers["qwen3"], [{"role": "user", "content": "Hi"}], continue_final_message=True
