@@ -6,7 +6,9 @@ automaton is built once per distinct stop list (cached) and fed only the new cha
 
 from __future__ import annotations
 
-import functools
+import threading
+from collections import OrderedDict
+from typing import NamedTuple
 
 
 class StopAutomaton:
@@ -52,6 +54,11 @@ class StopAutomaton:
         self._fail = fail
         self.longest = longest
 
+    @property
+    def num_states(self) -> int:
+        """Its number of states (one per distinct prefix of the stop strings, and the root)."""
+        return len(self._goto)
+
     def step(self, state: int, char: str) -> int:
         """The state after reading `char` in `state`."""
         goto, fail = self._goto, self._fail
@@ -64,11 +71,62 @@ class StopAutomaton:
             state = fail[state]
 
 
-@functools.lru_cache(maxsize=256)
-def stop_automaton(stop: tuple[str, ...]) -> StopAutomaton:
-    """The automaton of a stop list, built once per distinct list (requests of one client
-    usually repeat theirs). Its size is bounded by the stop-string limits of SamplingParams."""
-    return StopAutomaton(stop)
+class CacheInfo(NamedTuple):
+    """Counters of an AutomatonCache, as functools' `cache_info()`; `num_states` is the sum of
+    the cached automata's states (their memory: about 230 bytes a state)."""
+
+    hits: int
+    misses: int
+    currsize: int
+    num_states: int
+
+
+class AutomatonCache:
+    """The automata of recent stop lists, least recently used first out, bounded by their
+    total number of states (not their number): one automaton of the largest stop list allowed
+    (8192 characters) holds about 2 MiB, so 256 of them, distinct lists sent by clients, would
+    keep 0.5 GB alive. An automaton bigger than the whole budget is built and not cached.
+    Thread-safe (LLM instances may run in several threads)."""
+
+    def __init__(self, max_states: int) -> None:
+        self.max_states = max_states
+        self._entries: OrderedDict[tuple[str, ...], StopAutomaton] = OrderedDict()
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._num_states = 0
+
+    def __call__(self, stop: tuple[str, ...]) -> StopAutomaton:
+        """The automaton of `stop`, built once while it stays cached."""
+        with self._lock:
+            automaton = self._entries.get(stop)
+            if automaton is not None:
+                self._hits += 1
+                self._entries.move_to_end(stop)
+                return automaton
+            self._misses += 1
+        automaton = StopAutomaton(stop)  # outside the lock: building may take milliseconds
+        num_states = automaton.num_states
+        with self._lock:
+            if num_states <= self.max_states and stop not in self._entries:
+                self._entries[stop] = automaton
+                self._num_states += num_states
+                while self._num_states > self.max_states:
+                    _, evicted = self._entries.popitem(last=False)
+                    self._num_states -= evicted.num_states
+        return automaton
+
+    def cache_info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(self._hits, self._misses, len(self._entries), self._num_states)
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._hits = self._misses = self._num_states = 0
+
+
+# The automaton of a stop list, built once per distinct list (requests of one client usually
+# repeat theirs). 65,536 states: about 15 MiB, eight automata of the largest stop lists allowed.
+stop_automaton = AutomatonCache(max_states=1 << 16)
 
 
 class StopMatcher:

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve import SamplingParams
-from pagedserve.engine.stop_matcher import StopMatcher, stop_automaton
+from pagedserve.engine.stop_matcher import AutomatonCache, StopMatcher, stop_automaton
 
 
 def naive_match(text: str, num_chars_before: int, stop: list[str]) -> tuple[int, int] | None:
@@ -70,6 +70,25 @@ def test_one_automaton_per_distinct_stop_list() -> None:
     StopMatcher(["x", "yz"])
     StopMatcher(["x", "yz"])
     assert stop_automaton.cache_info().misses == 1
+
+
+def test_the_automaton_cache_is_bounded_by_states_not_lists() -> None:
+    """Distinct stop lists of the largest size allowed (128 strings, 8192 characters: about
+    2 MiB of automaton each) must not pile up: 256 of them once kept 0.5 GB alive."""
+    stop_automaton.cache_clear()
+    for i in range(12):
+        StopMatcher([f"{i:04d}{j:03d}{'x' * 57}" for j in range(128)])
+    info = stop_automaton.cache_info()
+    assert info.misses == 12
+    assert 0 < info.num_states <= stop_automaton.max_states
+    assert info.currsize < 12  # the oldest were evicted
+    # Least recently used out; an automaton bigger than the budget is built, not cached.
+    cache = AutomatonCache(max_states=10)
+    first, second = cache(("abcd",)), cache(("efgh",))  # 5 states each
+    assert cache(("abcd",)) is first and cache.cache_info().num_states == 10
+    cache(("ijkl",))
+    assert cache(("abcd",)) is first and cache(("efgh",)) is not second
+    assert cache(("a" * 20,)).num_states == 21 and cache.cache_info().num_states <= 10
 
 
 def test_the_limit_is_the_longest_match_not_the_number_of_strings() -> None:
