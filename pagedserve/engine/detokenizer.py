@@ -142,9 +142,13 @@ class IncrementalDetokenizer:
 
     def peek(self, token_id: int) -> str:
         """The text `token_id` would add if it came next (as update() would emit it, stop
-        strings aside), without adding it: how logprobs spell the alternatives of a position."""
+        strings aside), without adding it: how logprobs spell the alternatives of a position.
+        A special token that skip_special_tokens drops is spelled by its own text ("</s>"), as
+        vLLM shows it: spelled "", such alternatives would be indistinguishable (and collapse
+        into one key of a completion's top_logprobs)."""
         if token_id in self._skipped_ids:
-            return ""
+            content: str = self._backend.id_to_token(token_id) or ""
+            return content
         text = self._decode([*self._window_ids, token_id])
         new_text = ""
         if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT_CHAR):

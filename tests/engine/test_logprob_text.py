@@ -195,7 +195,8 @@ def test_echoed_tokens_and_text_offset(tokenizers: dict[str, PreTrainedTokenizer
 def test_peek_is_what_the_token_would_add(
     tokenizers: dict[str, PreTrainedTokenizerBase], name: str, skip_special_tokens: bool
 ) -> None:
-    """An alternative is spelled exactly as it would have been, had it been sampled there."""
+    """An alternative is spelled exactly as it would have been, had it been sampled there,
+    except a special token that skip_special_tokens drops: spelled by its own text, not ""."""
     tokenizer = tokenizers[name]
     ids = tokenizer.encode("Once upon a time 你好 🎉 done") + [tokenizer.eos_token_id]
     decoder = LogprobDetokenizer(tokenizer, ids[:2], skip_special_tokens=skip_special_tokens)
@@ -203,5 +204,26 @@ def test_peek_is_what_the_token_would_add(
     for token_id in ids[2:]:
         peeked = decoder.peek(token_id)
         texts.append(decoder.advance(token_id))
-        assert peeked == texts[-1]
+        if skip_special_tokens and token_id == tokenizer.eos_token_id:
+            assert texts[-1] == "" and peeked == tokenizer.convert_ids_to_tokens(token_id)
+        else:
+            assert peeked == texts[-1]
     assert ("</s>" in "".join(texts) or "<|" in "".join(texts)) != skip_special_tokens
+
+
+def test_special_alternatives_keep_their_names(
+    tokenizers: dict[str, PreTrainedTokenizerBase],
+) -> None:
+    """Special tokens among the alternatives are spelled by their text ("<s>", "</s>"), not
+    the "" that skip_special_tokens gives them when sampled: completions' top_logprobs (keyed
+    by text) keeps both, where "" would have merged them into one entry."""
+    from pagedserve.engine.logprob_text import logprob_entry
+
+    tokenizer = tokenizers["stories260k"]
+    word = tokenizer.encode("Once", add_special_tokens=False)[0]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    decoder = LogprobDetokenizer(tokenizer, tokenizer.encode("Hi"))
+    entry = logprob_entry([word, bos, eos], [-0.1, -2.0, -3.0], 1, decoder)
+    assert [entry[t].decoded_token for t in (bos, eos)] == ["<s>", "</s>"]
+    logprobs, _ = completion_logprobs([word], [entry], 2, lambda _: "", 0)
+    assert logprobs.top_logprobs[0] is not None and len(logprobs.top_logprobs[0]) == 3
