@@ -136,6 +136,8 @@ def _start_server(tmp_path: Path) -> _Server:
         "--uvicorn-log-level",
         "warning",
         "--disable-log-stats",
+        # This test reads /health after a worker dies; exiting then is test_engine_death's.
+        "--keep-alive-on-engine-death",
     ]
     log = tmp_path / "server.log"
     with open(log, "w") as log_file:

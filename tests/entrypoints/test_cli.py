@@ -6,8 +6,9 @@ import pytest
 
 from pagedserve.entrypoints.cli import build_parser
 from pagedserve.entrypoints.cli import main as cli_main
-from pagedserve.entrypoints.openai.api_server import _read_chat_template, run_server
+from pagedserve.entrypoints.openai.api_server import run_server
 from pagedserve.entrypoints.openai.cli_args import add_server_args, resolve_server_args
+from pagedserve.entrypoints.openai.launch import read_chat_template
 
 FLAGS = [
     "--host", "127.0.0.1", "--port", "9001", "--served-model-name", "tiny", "other",
@@ -86,8 +87,8 @@ def test_chat_templates_compile_as_transformers_does(tmp_path) -> None:  # type:
     )
     path = tmp_path / "t.jinja"
     path.write_text(template)
-    assert _read_chat_template(str(path)) == template
-    assert _read_chat_template(template) == template
+    assert read_chat_template(str(path)) == template
+    assert read_chat_template(template) == template
 
 
 def test_port_errors_name_the_flag(capsys) -> None:  # type: ignore[no-untyped-def]

@@ -5,8 +5,6 @@ import argparse
 import asyncio
 import hmac
 import logging
-import os
-import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -267,46 +265,6 @@ def build_app(
     return app
 
 
-def _bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the port before loading the model, so that a busy port fails at once."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
-def _read_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file, or the template itself (as vLLM: text with no Jinja
-    delimiters that names no file is a mistyped path, not a template). The template must
-    compile. Raises ValueError naming the flag."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value) as f:
-            value = f.read()
-    elif not any(mark in value for mark in ("{{", "{%", "{#")):
-        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
-    import jinja2
-
-    try:
-        # transformers' own environment: its templates may use {% break %} (loop controls)
-        # and {% generation %}, which a plain jinja2 Environment rejects.
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:  # a transformers without it: skip the check, apply_chat_template runs
-        return value
-    try:
-        _compile_jinja_template(value)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template does not compile: {e} (line {e.lineno})") from None
-    return value
-
-
 def run_server(args: argparse.Namespace) -> None:
     """Start the engine core, then serve until SIGINT/SIGTERM; always stop the core."""
     import uvicorn
@@ -316,6 +274,7 @@ def run_server(args: argparse.Namespace) -> None:
     from pagedserve.metrics import EngineMetrics
 
     from .cli_args import resolve_server_args
+    from .launch import bind_socket, read_chat_template, stop_signals_end_serving
 
     args = resolve_server_args(args)
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # as vLLM
@@ -326,8 +285,8 @@ def run_server(args: argparse.Namespace) -> None:
         envs.max_n_sequences()  # a bad PAGEDSERVE_MAX_N_SEQUENCES fails now, not per request
         envs.max_stop_strings()
         envs.max_stop_string_chars()
-        chat_template = _read_chat_template(args.chat_template)
-        sock = _bind_socket(args.host, args.port)
+        chat_template = read_chat_template(args.chat_template)
+        sock = bind_socket(args.host, args.port)
     except (ValueError, OSError) as e:
         raise SystemExit(f"pagedserve serve: error: {e}") from None
     metrics = EngineMetrics(args.served_model_name[0])
@@ -343,6 +302,7 @@ def run_server(args: argparse.Namespace) -> None:
         sock.close()
         raise SystemExit(f"pagedserve serve: error: {e}") from None
     server: list[uvicorn.Server] = []  # made once the app exists
+    died = False
 
     def exit_server() -> None:  # vLLM's default too (unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH)
         server[0].should_exit = True
@@ -362,11 +322,13 @@ def run_server(args: argparse.Namespace) -> None:
         server.append(uvicorn.Server(config))
         port = sock.getsockname()[1]  # the one the system chose for --port 0
         logger.info("serving %s on http://%s:%d", args.served_model_name, args.host, port)
-        asyncio.run(server[0].serve(sockets=[sock]))
+        with stop_signals_end_serving(server[0]):
+            asyncio.run(server[0].serve(sockets=[sock]))
+        died = engine.errored  # read before shutdown(), which ends the engine on purpose
     finally:
         engine.shutdown()
         sock.close()
-    if engine.errored:
+    if died:
         # A nonzero status, so that supervisors restarting on failure (systemd's
         # Restart=on-failure) restart it.
         raise SystemExit("pagedserve serve: the engine core died; see the log above")
