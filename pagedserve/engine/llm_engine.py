@@ -15,9 +15,32 @@ from pagedserve.sampling_params import SamplingParams
 
 
 def load_tokenizer(path: str) -> Any:
+    """The model's tokenizer (transformers' AutoTokenizer, local files only), with the BPE
+    word cache off where whole texts are its words (`drop_whole_text_word_cache`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    drop_whole_text_word_cache(tokenizer)
+    return tokenizer
+
+
+def drop_whole_text_word_cache(tokenizer: Any) -> bool:
+    """Turn off the `tokenizers` BPE cache (10,000 "words" of up to 256 bytes, in Rust) when
+    the pre-tokenizer does not split the text (none, or Metaspace with split=False, as in
+    Llama 2 and the bundled stories260k): every short prompt is then one word, cached whole,
+    so the cache only ever hits an identical prompt. Encoding such prompts from several
+    threads (the server tokenizes in a thread pool) grew the API server by ~2.8 KB per
+    request without bound (benchmarks/soak_memory.py, BENCHMARKS.md); with the cache off it
+    stays flat. Returns whether the cache was turned off."""
+    backend: Any = getattr(tokenizer, "backend_tokenizer", None)
+    model: Any = getattr(backend, "model", None)
+    if type(model).__name__ != "BPE" or not hasattr(model, "_resize_cache"):
+        return False
+    pre_tokenizer = backend.pre_tokenizer
+    if pre_tokenizer is not None and getattr(pre_tokenizer, "split", True):
+        return False  # it splits into words: caching them pays
+    model._resize_cache(0)
+    return True
 
 
 def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputProcessor]:
