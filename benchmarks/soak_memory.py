@@ -9,14 +9,15 @@ growth per request over the second half of the run (least squares), for each pro
 JSON line. A leak shows as a steady slope; a plateau as a slope near 0.
 
 `--tokenizer-only` runs the same prompts through the model's tokenizer in this process alone
-(no server, no model), which is where the server's growth comes from: the `tokenizers` BPE
-model caches the tokens of each distinct "word" it has seen, in Rust (invisible to
-tracemalloc), up to 10,000 words of at most 256 bytes. SentencePiece-style tokenizers whose
-Metaspace pre-tokenizer does not split (Llama 2, the bundled stories260k) make a whole prompt
-one word, so each new short prompt adds an entry of a few KB until the cache is full.
+(no server, no model; `--threads N` encodes from N threads as the server's pool does), which
+is where the server's growth came from: the `tokenizers` BPE model caches the tokens of each
+distinct "word" it has seen, in Rust (invisible to tracemalloc), up to 10,000 words of at most
+256 bytes. Tokenizers whose pre-tokenizer does not split (Llama 2, the bundled stories260k)
+make a whole prompt one word; encoded from several threads, such a tokenizer grew without
+bound, so `load_tokenizer` turns that cache off (`--keep-word-cache` shows it on).
 
   python -m benchmarks.soak_memory --num-requests 200000 --concurrency 32
-  python -m benchmarks.soak_memory --tokenizer-only --num-requests 200000
+  python -m benchmarks.soak_memory --tokenizer-only --num-requests 200000 --threads 6
 """
 
 import argparse
@@ -29,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -167,18 +169,30 @@ def make_prompt(rng: random.Random, args: argparse.Namespace) -> str:
 
 
 def soak_tokenizer(args: argparse.Namespace) -> list[dict[str, int]]:
-    """Encode the soak's prompts with the model's tokenizer here; sample this process's RSS."""
+    """Encode the soak's prompts with the model's tokenizer here, from `--threads` threads as
+    the server's pool does (0: this thread); sample this process's RSS."""
     from pagedserve.engine.llm_engine import load_tokenizer
     from pagedserve.entrypoints.llm import DEFAULT_MODEL
 
-    tokenizer = load_tokenizer(args.model or DEFAULT_MODEL)
+    path = args.model or DEFAULT_MODEL
+    if args.keep_word_cache:  # as transformers loads it, the BPE word cache on
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    else:
+        tokenizer = load_tokenizer(path)
     rng = random.Random(args.seed)
+    pool = ThreadPoolExecutor(args.threads) if args.threads else None
     samples = []
-    for i in range(args.num_requests + 1):
-        if i % args.sample_every == 0:
-            samples.append({"requests": i, "server_rss": rss_bytes(os.getpid()), "core_rss": 0})
-        if i < args.num_requests:
-            tokenizer.encode(make_prompt(rng, args))
+    for start in range(0, args.num_requests + 1, args.sample_every):
+        samples.append({"requests": start, "server_rss": rss_bytes(os.getpid()), "core_rss": 0})
+        count = min(args.sample_every, args.num_requests - start)
+        prompts = [make_prompt(rng, args) for _ in range(count)]
+        if pool is None:
+            for prompt in prompts:
+                tokenizer.encode(prompt)
+        else:
+            list(pool.map(tokenizer.encode, prompts))
     return samples
 
 
@@ -198,6 +212,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--tokenizer-only", action="store_true", help="only encode the prompts, in this process"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="--tokenizer-only: encoding threads")
+    parser.add_argument(
+        "--keep-word-cache",
+        action="store_true",
+        help="--tokenizer-only: the tokenizer as transformers loads it (BPE word cache on)",
     )
     parser.add_argument(
         "server_args", nargs="*", help="extra server flags, after `--` (e.g. -- --block-size 32)"
