@@ -25,5 +25,10 @@ class EngineDeadError(PagedServeError):
     """The engine loop or a worker died; in-flight requests cannot finish. HTTP 503."""
 
 
+class ServerShuttingDownError(PagedServeError):
+    """The server is stopping (SIGTERM/SIGINT) and a request was still running when its
+    drain period ended; the engine itself is fine. HTTP 503."""
+
+
 class UnsupportedModelError(PagedServeError, ValueError):
     """The model folder is missing or names an architecture we do not implement."""

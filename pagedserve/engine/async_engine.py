@@ -12,7 +12,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_client import CoreOutputs, EngineCoreClient, wait_readable
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import build_processors, register_request
-from pagedserve.errors import EngineDeadError, InvalidRequestError
+from pagedserve.errors import EngineDeadError, InvalidRequestError, PagedServeError
 from pagedserve.metrics import EngineMetrics
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -193,6 +193,19 @@ class AsyncLLMEngine:
         if children and self.dead_error is None:
             with contextlib.suppress(EngineDeadError):
                 self.core.send_abort(children)
+
+    def fail_running(self, error: PagedServeError) -> None:
+        """End every running request now: its stream raises `error` (a server stopping
+        after its drain period), its KV blocks are freed. Unlike a death, the engine stays
+        usable and new requests are accepted."""
+        for request_id, stream in list(self.streams.items()):
+            children = self.output_processor.abort_request(request_id)
+            self.metrics.record_aborted(request_id, len(children))
+            stream.queue.put_nowait(error)
+            if children and self.dead_error is None:
+                with contextlib.suppress(EngineDeadError):
+                    self.core.send_abort(children)
+        self.streams.clear()
 
     async def check_health(self) -> None:
         """Raise EngineDeadError if the engine core is gone."""

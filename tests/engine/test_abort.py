@@ -9,7 +9,7 @@ from pagedserve import RequestOutputKind, SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.errors import EngineDeadError
+from pagedserve.errors import EngineDeadError, ServerShuttingDownError
 from pagedserve.outputs import RequestOutput
 from pagedserve.scheduler import EngineCoreOutput
 from tests.engine.test_async_engine import run_with_engine, wait_idle
@@ -103,6 +103,18 @@ def test_async_engine_request_lifecycle() -> None:
         assert engine.output_processor.process_outputs([stale]) == ([], [])
         results = [output async for output in engine.iterate(stream)]
         assert len(results[-1].outputs[0].token_ids) == 5
+        assert results[-1].outputs[0].finish_reason == "length"
+
+        # fail_running (a stopping server's drain period is over): the running request's
+        # iterator raises the given error and is freed; the engine stays usable
+        task = await _consumer_started(engine, "draining")
+        engine.fail_running(ServerShuttingDownError("stopping"))
+        with pytest.raises(ServerShuttingDownError):
+            await asyncio.wait_for(task, 30)
+        _assert_forgotten(engine, "draining")
+        await wait_idle(engine)
+        assert not engine.errored
+        results = [output async for output in engine.generate("The cat", short, "after")]
         assert results[-1].outputs[0].finish_reason == "length"
 
         # shutdown with a request in flight: its iterator raises, new requests are refused

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__, envs
 from pagedserve.engine.prompt_bound import check_prompt_chars
-from pagedserve.errors import EngineDeadError, PagedServeError
+from pagedserve.errors import EngineDeadError, PagedServeError, ServerShuttingDownError
 
 from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from .openapi import (
@@ -274,7 +274,12 @@ def run_server(args: argparse.Namespace) -> None:
     from pagedserve.metrics import EngineMetrics
 
     from .cli_args import resolve_server_args
-    from .launch import bind_socket, read_chat_template, stop_signals_end_serving
+    from .launch import (
+        DrainingServer,
+        bind_socket,
+        read_chat_template,
+        stop_signals_end_serving,
+    )
 
     args = resolve_server_args(args)
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # as vLLM
@@ -318,8 +323,9 @@ def run_server(args: argparse.Namespace) -> None:
             on_engine_death=None if args.keep_alive_on_engine_death else exit_server,
             max_request_body_bytes=args.max_request_body_bytes,
         )
-        config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
-        server.append(uvicorn.Server(config))
+        config = uvicorn.Config(app, log_level=args.uvicorn_log_level)
+        stopping = ServerShuttingDownError("the server is shutting down")
+        server.append(DrainingServer(config, lambda: engine.fail_running(stopping)))
         port = sock.getsockname()[1]  # the one the system chose for --port 0
         logger.info("serving %s on http://%s:%d", args.served_model_name, args.host, port)
         with stop_signals_end_serving(server[0]):

@@ -1,12 +1,19 @@
 """What `pagedserve serve` does around the app: bind the port first, read --chat-template,
 and turn SIGINT/SIGTERM into a normal end of serving."""
 
+import asyncio
 import contextlib
 import os
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import uvicorn
+
+# How long a stop (SIGTERM/SIGINT) lets running requests finish before they are ended with
+# a 503 (an error event, for a stream); uvicorn's own limit is later, as a backstop.
+DRAIN_S = 5.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -65,3 +72,29 @@ def stop_signals_end_serving(server: Any) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server whose shutdown gives running responses `drain_s` seconds, then calls
+    `end_running` (which fails the requests still running, so that each handler answers, a
+    stream with an error event and [DONE]). Without it uvicorn cancels those handlers: the
+    client's stream stops mid-body and the log gets a CancelledError traceback."""
+
+    def __init__(
+        self, config: uvicorn.Config, end_running: Callable[[], None], drain_s: float = DRAIN_S
+    ) -> None:
+        config.timeout_graceful_shutdown = int(drain_s) + 5  # the backstop
+        super().__init__(config)
+        self.end_running = end_running
+        self.drain_s = drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        async def end_after_drain() -> None:
+            await asyncio.sleep(self.drain_s)
+            self.end_running()
+
+        deadline = asyncio.create_task(end_after_drain())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()

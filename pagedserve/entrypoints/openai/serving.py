@@ -12,7 +12,12 @@ from fastapi import Request
 
 from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.input_processor import PromptType
-from pagedserve.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from pagedserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    ServerShuttingDownError,
+)
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -83,6 +88,8 @@ def to_openai_error(exc: Exception) -> OpenAIError:
             "the engine core has failed and cannot serve requests; restart the server (the "
             "server log has the cause)",
         )
+    if isinstance(exc, ServerShuttingDownError):
+        return OpenAIError(503, "the server is shutting down; send the request again")
     # A bug: the exception text may hold paths, prompts or other requests' state. The server
     # log gets it (with its traceback, where the error is caught); the client a plain line.
     return OpenAIError(500, "internal server error; the server log has the details")
