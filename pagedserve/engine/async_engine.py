@@ -198,6 +198,11 @@ class AsyncLLMEngine:
         """End every running request now: its stream raises `error` (a server stopping
         after its drain period), its KV blocks are freed. Unlike a death, the engine stays
         usable and new requests are accepted."""
+        self._end_streams(error)
+
+    def _end_streams(self, error: PagedServeError) -> None:
+        """Every pending stream raises `error`; each request's state here is forgotten and,
+        while the core lives, its KV blocks there are freed."""
         for request_id, stream in list(self.streams.items()):
             children = self.output_processor.abort_request(request_id)
             self.metrics.record_aborted(request_id, len(children))
@@ -269,12 +274,8 @@ class AsyncLLMEngine:
             return
         if log:
             logger.error("engine failed; failing %d pending requests: %s", len(self.streams), error)
-        self.dead_error = error
-        for request_id, stream in list(self.streams.items()):
-            children = self.output_processor.abort_request(request_id)
-            self.metrics.record_aborted(request_id, len(children))
-            stream.queue.put_nowait(EngineDeadError(str(error)))
-        self.streams.clear()
+        self.dead_error = error  # set first: nothing is sent to the gone core
+        self._end_streams(EngineDeadError(str(error)))
         try:
             current = asyncio.current_task()
         except RuntimeError:  # shutdown() called outside the event loop
