@@ -158,12 +158,10 @@ def _byte_level_chars(backend: Any) -> dict[str, int] | None:
     """GPT-2's byte-to-character map, reversed, for byte-level BPE tokenizers; None for others."""
     if not isinstance(backend.decoder, decoders.ByteLevel):
         return None
-    # The 188 printable bytes stand for themselves; the others map to chr(256), chr(257), ...
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = {chr(b): b for b in printable}
-    others = [b for b in range(256) if b not in printable]
-    chars.update({chr(256 + i): b for i, b in enumerate(others)})
-    return chars
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's own map
+
+    byte_to_char: dict[int, str] = bytes_to_unicode()  # type: ignore[no-untyped-call]
+    return {char: byte for byte, char in byte_to_char.items()}
 
 
 def _raw_token_bytes(backend: Any, token_id: int) -> bytes:
