@@ -5,9 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.prompt_bound import (  # re-exported: the handlers import it from here
-    check_prompt_chars as check_prompt_chars,
-)
+from pagedserve.engine.prompt_bound import check_prompt_chars
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams, is_default_max_tokens
 

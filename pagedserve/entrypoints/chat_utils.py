@@ -8,7 +8,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagedserve.engine.input_processor import check_prompt_chars
+from pagedserve.engine.prompt_bound import check_prompt_chars
 from pagedserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
