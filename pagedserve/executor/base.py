@@ -1,9 +1,8 @@
 """The Executor protocol, and what the multi-rank executors share (`RankGroupExecutor`).
 
 An executor is where the workers live: in this process (`UniprocExecutor`), one process per
-tensor-parallel rank (`MultiprocExecutor`) or one Ray actor per rank (`RayExecutor`). Every
-executor offers the same five calls to EngineCore, which never knows how many ranks
-there are:
+tensor-parallel rank (`MultiprocExecutor`) or one Ray actor per rank (`RayExecutor`). Each
+offers EngineCore, which never knows how many ranks there are, the same calls:
 
     determine_num_blocks()  KV blocks every rank can hold (the minimum over the ranks)
     block_bytes             bytes of one KV block on one rank

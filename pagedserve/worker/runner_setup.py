@@ -88,8 +88,7 @@ def determine_num_blocks(runner: ModelRunner) -> int:
     """Blocks the KV cache can hold: the override, else the memory given, else sized from
     the device (GPU: profiled; CPU: a quarter of free RAM, capped at 2 GiB and at what
     `max_num_seqs` requests of `max_model_len` tokens can use)."""
-    config = runner.config
-    cache_config = config.cache_config
+    cache_config = runner.config.cache_config
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
     if cache_config.kv_cache_memory_bytes is not None:
@@ -98,33 +97,33 @@ def determine_num_blocks(runner: ModelRunner) -> int:
         return _profile_num_blocks(runner)
     available = _available_ram_bytes()
     budget = min(int(available * _CPU_DEFAULT_KV_FRACTION), _CPU_DEFAULT_KV_CAP)
-    max_useful = config.scheduler_config.max_num_seqs * -(
-        -config.model_config.max_model_len // runner.block_size
+    max_useful = runner.config.scheduler_config.max_num_seqs * -(
+        -runner.config.model_config.max_model_len // runner.block_size
     )
     return max(min(budget // kv_block_bytes(runner), max_useful), 1)
 
 
 def _profile_num_blocks(runner: ModelRunner) -> int:
     """Run the largest step once, measure peak memory, give the rest to KV blocks."""
-    device, block_size, block_bytes = runner.device, runner.block_size, kv_block_bytes(runner)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.reset_peak_memory_stats(runner.device)
     num_tokens = runner.config.scheduler_config.max_num_batched_tokens
     max_model_len = runner.config.model_config.max_model_len
     seq_len = min(num_tokens, max_model_len)
     num_reqs = max(num_tokens // seq_len, 1)
-    num_profile_blocks = num_reqs * -(-seq_len // block_size)
+    num_profile_blocks = num_reqs * -(-seq_len // runner.block_size)
     _allocate_kv_cache(runner, num_profile_blocks)
-    fake = profiling_step(num_reqs, seq_len, block_size)
+    fake = profiling_step(num_reqs, seq_len, runner.block_size)
     runner.execute_model(fake)
     runner.execute_model(SchedulerOutput([], [], {r.request_id for r in fake.new_requests}))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - num_profile_blocks * block_bytes
+    torch.cuda.synchronize(runner.device)
+    block_bytes = kv_block_bytes(runner)
+    peak = torch.cuda.max_memory_allocated(runner.device) - num_profile_blocks * block_bytes
     runner.kv_caches = []
     for layer in runner.attention_layers:
         layer.kv_cache = None
     torch.cuda.empty_cache()
-    _, total = torch.cuda.mem_get_info(device)
+    _, total = torch.cuda.mem_get_info(runner.device)
     kv_bytes = int(total * runner.config.cache_config.gpu_memory_utilization) - peak
     logger.info(
         "profiling: peak %.2f GiB without KV cache; %.2f GiB for KV blocks",
@@ -138,23 +137,22 @@ def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
     """Allocate the KV cache, then capture CUDA graphs for decode batches when they apply
     (CUDA device, a graph-capturable backend, and not `enforce_eager`), then warm up (CUDA).
     Raises ValueError when the cache does not fit (see `_allocate_kv_cache`)."""
-    config, device = runner.config, runner.device
     _allocate_kv_cache(runner, num_blocks)
     if (
-        device.type == "cuda"
-        and not config.device_config.enforce_eager
+        runner.device.type == "cuda"
+        and not runner.config.device_config.enforce_eager
         and runner.backend.name == "triton"
     ):
         assert runner.model is not None
         runner.cuda_graphs = CudaGraphRunner(
             runner.model,
-            config.scheduler_config.max_num_seqs,
-            config.model_config.max_model_len,
+            runner.config.scheduler_config.max_num_seqs,
+            runner.config.model_config.max_model_len,
             runner.block_size,
-            device,
+            runner.device,
         )
         runner.cuda_graphs.capture()
-    if device.type == "cuda":
+    if runner.device.type == "cuda":
         warm_up(runner, num_blocks)
 
 
