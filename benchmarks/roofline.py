@@ -68,7 +68,7 @@ def main() -> None:
         gpu_memory_utilization=0.9,
     )
     engine = llm.llm_engine
-    runner = engine.engine_core.executor.runner
+    runner = engine.engine_core.executor.worker.runner
     params = SamplingParams(
         temperature=0, max_tokens=2 * args.steps + 6, ignore_eos=True, detokenize=False
     )

@@ -55,7 +55,7 @@ def instrument(llm: Any, clock: StepClock, shapes: list[tuple[int, int, int]]) -
 
     engine = llm.llm_engine
     core = engine.engine_core
-    runner = core.executor.runner  # UniprocExecutor (tensor_parallel_size 1)
+    runner = core.executor.worker.runner  # UniprocExecutor (tensor_parallel_size 1)
     schedule = core.scheduler.schedule
 
     def schedule_and_record() -> Any:

@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pagedserve.distributed.parallel_state as parallel_state  # noqa: E402
 import pagedserve.engine.llm_engine as llm_engine  # noqa: E402
+import pagedserve.executor.multiproc_executor as multiproc_executor  # noqa: E402
 import pagedserve.scheduler as scheduler  # noqa: E402
+import pagedserve.step as step  # noqa: E402
 import pagedserve.worker.model_runner as model_runner  # noqa: E402
-import pagedserve.worker.multiproc_executor as multiproc_executor  # noqa: E402
 
 TOTALS: dict[str, float] = defaultdict(float)
 COUNTS: dict[str, int] = defaultdict(int)
@@ -53,7 +54,7 @@ def _wrap(owner: Any, name: str, key: str) -> None:
 
 def _install() -> None:
     launch_fn = model_runner.ModelRunner.execute_model_async
-    result_fn = model_runner.AsyncModelRunnerOutput.result
+    result_fn = step.AsyncModelRunnerOutput.result
     every = int(os.environ.get("TP_PROBE_WORKER_EVERY", "300"))
 
     def launch(self: Any, scheduler_output: Any) -> Any:
@@ -76,7 +77,7 @@ def _install() -> None:
         return out
 
     model_runner.ModelRunner.execute_model_async = launch  # type: ignore[method-assign]
-    model_runner.AsyncModelRunnerOutput.result = result  # type: ignore[method-assign]
+    step.AsyncModelRunnerOutput.result = result  # type: ignore[method-assign]
     _wrap(multiproc_executor.MultiprocExecutor, "_collect", "engine_wait_ranks")
     _wrap(scheduler.Scheduler, "schedule", "engine_schedule")
     _wrap(scheduler.Scheduler, "update_from_output", "engine_update")

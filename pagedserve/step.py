@@ -1,6 +1,9 @@
-"""The plain-data contract between the scheduler and the workers, one step at a time."""
+"""The plain-data contract between the scheduler and the workers, one step at a time, and the
+handle of a step's output that is still on its way from the device (no torch here)."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -102,3 +105,36 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[SampleLogprobsData | None]  # per sampled request; None when not asked
     prompt_logprobs: dict[str, PromptLogprobsData] = field(default_factory=dict)
+
+
+class DeviceEvent(Protocol):
+    """What AsyncModelRunnerOutput needs of a `torch.cuda.Event`."""
+
+    def synchronize(self) -> None: ...
+
+
+class AsyncModelRunnerOutput:
+    """A step's ModelRunnerOutput, which may still be on its way from the device.
+
+    `result()` waits for the step's device->host copy (a CUDA event), then builds the output
+    on the host. Mirrors vLLM's AsyncModelRunnerOutput (vllm/v1/outputs.py).
+    """
+
+    def __init__(
+        self,
+        output: ModelRunnerOutput | None,
+        build: Callable[[], ModelRunnerOutput] | None = None,
+        ready: DeviceEvent | None = None,
+    ) -> None:
+        self._output = output
+        self._build = build
+        self._ready = ready
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            assert self._build is not None
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._output = self._build()
+            self._build = None
+        return self._output

@@ -3,7 +3,7 @@
 A worker process joins the tensor-parallel group with `init_distributed`; the layers read
 `get_tp_rank()`/`get_tp_size()` when they are built, and the collectives in `comm` use the
 default process group. The engine's own process never joins a group: with tensor
-parallelism every rank, rank 0 included, is a worker process (see `worker/executor.py`).
+parallelism every rank, rank 0 included, is a worker process (see `executor/`).
 """
 
 import socket

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
 from pagedserve.errors import InvalidRequestError
+from pagedserve.executor.factory import create_executor
 from pagedserve.kv_cache.manager import KVCacheManager, cdiv
 from pagedserve.request import Request, RequestStatus
 from pagedserve.scheduler import EngineCoreOutput, Scheduler
-from pagedserve.step import SchedulerOutput
-from pagedserve.worker.executor import create_executor
-from pagedserve.worker.model_runner import AsyncModelRunnerOutput
+from pagedserve.step import AsyncModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

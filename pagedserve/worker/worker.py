@@ -1,7 +1,9 @@
-"""Worker: one tensor-parallel rank; joins the group, loads its shard and runs the model runner.
+"""Worker: one tensor-parallel rank; its device, its process-group membership, its ModelRunner.
 
-The executors (`multiproc_executor`, `ray_executor`) host one Worker per rank and call the
-same four methods on every rank each time; only rank 0's step output is returned.
+Every executor hosts Workers: `UniprocExecutor` one in the engine's own process, the others
+one per rank (a process, a Ray actor), calling the same methods on every rank each time; only
+rank 0's step output is returned. Start-up goes through `runner_setup`; steps through the
+runner.
 """
 
 import os
@@ -10,8 +12,15 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import destroy_distributed, init_distributed
-from pagedserve.step import ModelRunnerOutput, SchedulerOutput
-from pagedserve.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
+from pagedserve.step import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.runner_setup import (
+    determine_num_blocks,
+    initialize_kv_cache,
+    kv_block_bytes,
+    load_model,
+    resolve_device,
+)
 
 
 def worker_device(device: str, local_rank: int, tp_size: int) -> torch.device:
@@ -42,13 +51,34 @@ class Worker:
 
     rank: the tensor-parallel rank (0 samples; every rank runs each step's forward).
     local_rank: the rank's index among the ranks of its host (its GPU index there).
-    distributed_init_method: "tcp://HOST:PORT" where rank 0 hosts the rendezvous.
+    distributed_init_method: "tcp://HOST:PORT" where rank 0 hosts the rendezvous. None: the
+        one rank of `UniprocExecutor`, in the engine's own process, which may hold the user's
+        code and other engines: it joins no process group and sets neither the current CUDA
+        device nor the thread count; its device is `config.device_config.device` resolved.
     """
 
     def __init__(
-        self, config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str | None = None,
     ) -> None:
         self.rank = rank
+        self._joins_group = distributed_init_method is not None
+        if distributed_init_method is None:
+            self.device = resolve_device(config.device_config.device)
+        else:
+            self.device = self._init_rank(config, rank, local_rank, distributed_init_method)
+        self.runner = ModelRunner(config, self.device)
+        load_model(self.runner)
+        self._pending: AsyncModelRunnerOutput | None = None  # launched, output not taken
+
+    @staticmethod
+    def _init_rank(
+        config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str
+    ) -> torch.device:
+        """Take this rank's device and join the tensor-parallel group; the rank's device."""
         tp_size = config.parallel_config.tensor_parallel_size
         device = worker_device(config.device_config.device, local_rank, tp_size)
         if device.type == "cuda":
@@ -62,20 +92,18 @@ class Worker:
             device,
             timeout_s=config.parallel_config.distributed_timeout_s,
         )
-        self.runner = ModelRunner(config, device)
-        self.runner.load_model()
-        self._pending: AsyncModelRunnerOutput | None = None  # launched, output not taken
+        return device
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers on this rank (its KV heads only)."""
-        return self.runner.block_bytes
+        return kv_block_bytes(self.runner)
 
     def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
+        return determine_num_blocks(self.runner)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
+        initialize_kv_cache(self.runner, num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; rank 0 returns the sampled tokens, the other ranks None (the next
@@ -83,10 +111,18 @@ class Worker:
         takes from its own copy of rank 0's last sample)."""
         return self._answer(self.runner.execute_model_async(scheduler_output))
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch one step without waiting for the device: the handle of its output (the
+        executor in this process hands it to the engine)."""
+        return self.runner.execute_model_async(scheduler_output)
+
+    def execute_model_pipelined(
+        self, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput | None:
         """Launch this step, then wait for the previous launched step and return its output
         (rank 0; None on the other ranks, or when no step was pending). The engine thus gets
-        step N's tokens while the device already runs step N+1."""
+        step N's tokens while the device already runs step N+1; a reply carries outputs, as a
+        handle cannot cross processes."""
         previous, self._pending = self._pending, self.runner.execute_model_async(scheduler_output)
         return self._answer(previous)
 
@@ -102,4 +138,6 @@ class Worker:
         return output if self.rank == 0 else None
 
     def shutdown(self) -> None:
-        destroy_distributed()
+        """Leave the process group (a rank of its own process); idempotent."""
+        if self._joins_group:
+            destroy_distributed()

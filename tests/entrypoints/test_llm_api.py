@@ -127,7 +127,7 @@ def test_logprobs_match_log_softmax(llm: LLM) -> None:
     )[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 5
     engine = llm.llm_engine
-    model = engine.engine_core.executor.runner.model
+    model = engine.engine_core.executor.worker.runner.model
     tokens = out.logprobs
     prompt = llm.get_tokenizer().encode("Once upon a time")
     # Recompute with a plain full forward of transformers for the reference.

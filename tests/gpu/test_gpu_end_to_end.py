@@ -86,7 +86,9 @@ def test_cuda_graph_replay_equals_eager(tmp_path: Path) -> None:
             max_num_seqs=16,
             num_gpu_blocks_override=256,
         )
-        assert (llm.llm_engine.engine_core.executor.runner.cuda_graphs is None) == enforce_eager
+        assert (
+            llm.llm_engine.engine_core.executor.worker.runner.cuda_graphs is None
+        ) == enforce_eager
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
     num_identical = 0

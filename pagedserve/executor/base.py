@@ -1,7 +1,8 @@
-"""Executors: where the model runners live (this process, one process per TP rank, or Ray).
+"""The Executor protocol, and what the multi-rank executors share (`RankGroupExecutor`).
 
-Every executor offers the same five calls to EngineCore, which never knows how many ranks
-there are:
+An executor is where the workers live: in this process (`UniprocExecutor`), one process per
+tensor-parallel rank (`MultiprocExecutor`) or one Ray actor per rank (`RayExecutor`). Each
+offers EngineCore, which never knows how many ranks there are, the same calls:
 
     determine_num_blocks()  KV blocks every rank can hold (the minimum over the ranks)
     block_bytes             bytes of one KV block on one rank
@@ -11,15 +12,13 @@ there are:
                             may be launched first (async scheduling)
     shutdown()              stop the workers (idempotent)
 
-`create_executor` picks one from `ParallelConfig.executor_backend`.
+`factory.create_executor` picks one from `ParallelConfig.executor_backend`.
 """
 
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
-from pagedserve.config import EngineConfig
-from pagedserve.step import ModelRunnerOutput, SchedulerOutput
-from pagedserve.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
+from pagedserve.step import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(Protocol):
@@ -39,53 +38,6 @@ class Executor(Protocol):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
-
-
-def create_executor(config: EngineConfig) -> Executor:
-    """The executor of `config.parallel_config.executor_backend`: "uni", "mp" or "ray"."""
-    backend = config.parallel_config.executor_backend
-    if backend == "uni":
-        return UniprocExecutor(config)
-    if backend == "mp":
-        from pagedserve.worker.multiproc_executor import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    from pagedserve.worker.ray_executor import RayExecutor
-
-    return RayExecutor(config)
-
-
-class UniprocExecutor:
-    """One model runner in the engine's own process (tensor_parallel_size == 1)."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        if config.parallel_config.tensor_parallel_size != 1:
-            raise ValueError(
-                "UniprocExecutor runs one rank; use distributed_executor_backend 'mp' or 'ray' "
-                "for tensor_parallel_size > 1"
-            )
-        self.runner = ModelRunner(config)
-        self.runner.load_model()
-        self.device_type = self.runner.device.type
-
-    def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
-
-    @property
-    def block_bytes(self) -> int:
-        return self.runner.block_bytes
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
-
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
-        return self.runner.execute_model_async(scheduler_output)
-
-    def shutdown(self) -> None:
-        pass
 
 
 STARTUP_TIMEOUT_S = 1800.0  # loading and (GPU) profiling a large checkpoint from a slow disk
@@ -121,10 +73,11 @@ class RankGroupExecutor(ABC):
         return output
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
-        """Every rank launches the step, then waits for its previous one: the reply carries
-        the previous step's output, which goes to that step's handle."""
+        """Every rank launches the step, then waits for its previous one
+        (`Worker.execute_model_pipelined`): the reply carries the previous step's output,
+        which goes to that step's handle."""
         previous: ModelRunnerOutput | None = self._call(
-            "execute_model_async", scheduler_output, timeout_s=self.timeout_s
+            "execute_model_pipelined", scheduler_output, timeout_s=self.timeout_s
         )[0]
         if self._unanswered is not None:
             assert previous is not None

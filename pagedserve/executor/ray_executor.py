@@ -16,13 +16,15 @@ killed. Actors die with the engine's process, as Ray ties non-detached actors to
 """
 
 import logging
+import os
 import time
 from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import get_ip, get_open_port
 from pagedserve.errors import EngineDeadError
-from pagedserve.worker.executor import STARTUP_TIMEOUT_S, RankGroupExecutor
+from pagedserve.executor.base import STARTUP_TIMEOUT_S, RankGroupExecutor
+from pagedserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -34,20 +36,16 @@ class RayWorker:
     as the original exception)."""
 
     def __init__(self) -> None:
-        self.worker: Any = None
+        self.worker: Worker | None = None
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a free port there, for rank 0's rendezvous."""
         return get_ip(), get_open_port()
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def start(self, config: EngineConfig, rank: int, distributed_init_method: str) -> int:
-        from pagedserve.worker.worker import Worker
-
         # Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES): it is cuda:0.
         self.worker = Worker(config, rank, 0, distributed_init_method)
         block_bytes: int = self.worker.block_bytes

@@ -45,9 +45,10 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import get_open_port
 from pagedserve.errors import EngineDeadError
+from pagedserve.executor.base import STARTUP_TIMEOUT_S, RankGroupExecutor
 from pagedserve.process_start import check_not_importing_main, main_not_reimported
-from pagedserve.worker.executor import STARTUP_TIMEOUT_S, RankGroupExecutor
-from pagedserve.worker.model_runner import resolve_device
+from pagedserve.worker.runner_setup import resolve_device
+from pagedserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -240,8 +241,6 @@ def run_worker(
     engine_alive: connection.Connection,
 ) -> None:
     """Main of a worker process: start the rank, then serve calls until told to stop."""
-    from pagedserve.worker.worker import Worker
-
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(levelname)s (Worker TP{rank}) %(name)s: %(message)s",

@@ -1,0 +1,42 @@
+"""UniprocExecutor: one rank, a Worker in the engine's own process (tensor_parallel_size 1)."""
+
+from pagedserve.config import EngineConfig
+from pagedserve.step import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.worker import Worker
+
+
+class UniprocExecutor:
+    """Hosts one Worker in this process. The Worker joins no process group and leaves the
+    process's device and thread settings alone: the process is the user's, and may hold other
+    engines. Raises ValueError for tensor_parallel_size > 1."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.parallel_config.tensor_parallel_size != 1:
+            raise ValueError(
+                "UniprocExecutor runs one rank; use distributed_executor_backend 'mp' or 'ray' "
+                "for tensor_parallel_size > 1"
+            )
+        self.worker = Worker(config)
+        self.device_type = self.worker.device.type
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.worker.block_bytes
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self.worker.execute_model(scheduler_output)
+        assert output is not None  # rank 0 answers
+        return output
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """The runner's own handle: in one process, the engine waits on the device directly."""
+        return self.worker.execute_model_async(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
