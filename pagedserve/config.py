@@ -17,6 +17,7 @@ DEFAULT_MODEL = str(files("pagedserve.assets") / "stories260k")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's; also InputProcessor's default
 
 
 def option(
@@ -80,7 +81,8 @@ class ModelConfig:
         help="longest prompt + output in tokens", default_text="the model's context"
     )
     max_logprobs: int = option(
-        20, help="most logprobs or prompt_logprobs a request may ask for (-1: no cap)"
+        DEFAULT_MAX_LOGPROBS,
+        help="most logprobs or prompt_logprobs a request may ask for (-1: no cap)",
     )
     load_format: str = option(
         "auto", help="auto/safetensors (read weights) or dummy (random weights)"
