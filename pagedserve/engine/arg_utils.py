@@ -32,7 +32,6 @@ from pagedserve.errors import UnsupportedModelError
 # requests from waiting behind long prefill steps.
 USAGE_CONTEXTS = ("engine_context", "llm_class", "openai_api_server")
 _GiB = 1 << 30
-_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
 
 
 def default_max_num_batched_tokens(usage_context: str, device: str) -> int:
@@ -60,9 +59,14 @@ def _options_from(*configs: Any) -> Callable[[type[_T]], type[_T]]:
     """Class decorator (under @dataclass): give each `name: type = _FROM_CONFIG` field the
     default and help of the config field of that name, as a `dataclasses.field`. Checks at
     import that the class names every option of `configs` exactly once, each with the config
-    field's type (or that type | None where the config derives the value); raises TypeError."""
-    declared = {f.name: (f, typing.get_type_hints(c)[f.name]) for c in configs for f in fields(c)}
-    options = {name: entry for name, entry in declared.items() if is_option(entry[0])}
+    field's type (or that type | None where the config derives the value), and that no
+    option is declared by two configs; raises TypeError."""
+    options = {}
+    for config in configs:
+        for f in filter(is_option, fields(config)):
+            if f.name in options:
+                raise TypeError(f"option {f.name} is declared by two configs")
+            options[f.name] = (f, typing.get_type_hints(config)[f.name])
 
     def decorate(cls: type[_T]) -> type[_T]:
         names = typing.get_type_hints(cls)
@@ -82,7 +86,7 @@ def _options_from(*configs: Any) -> Callable[[type[_T]], type[_T]]:
 
 
 @dataclass(slots=True)
-@_options_from(*_CONFIGS)
+@_options_from(ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
 class EngineArgs:
     """Options of `LLM(...)`, `LLMEngine` and the CLI, named as vLLM's `EngineArgs`.
 

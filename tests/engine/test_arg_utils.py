@@ -68,6 +68,7 @@ def test_llm_keeps_the_engine_defaults_and_refuses_unknown_options() -> None:
 
 
 def test_options_from_refuses_a_missing_option_a_literal_default_or_a_wrong_type() -> None:
+    """These checks run when arg_utils is imported: EngineArgs cannot drift from the configs."""
     options_from = arg_utils._options_from
     with pytest.raises(TypeError, match=r"missing \['enable_prefix_caching'"):
 
@@ -75,6 +76,8 @@ def test_options_from_refuses_a_missing_option_a_literal_default_or_a_wrong_type
         class Missing:
             block_size: int = arg_utils._FROM_CONFIG
 
+    with pytest.raises(TypeError, match="block_size is declared by two configs"):
+        options_from(CacheConfig, CacheConfig)
     fields = {f.name: f.type for f in dataclasses.fields(CacheConfig)}
     for name, kind, value in [
         ("block_size", int, 32),  # a second default
