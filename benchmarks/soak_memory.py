@@ -171,8 +171,8 @@ def make_prompt(rng: random.Random, args: argparse.Namespace) -> str:
 def soak_tokenizer(args: argparse.Namespace) -> list[dict[str, int]]:
     """Encode the soak's prompts with the model's tokenizer here, from `--threads` threads as
     the server's pool does (0: this thread); sample this process's RSS."""
+    from pagedserve.config import DEFAULT_MODEL
     from pagedserve.engine.llm_engine import load_tokenizer
-    from pagedserve.entrypoints.llm import DEFAULT_MODEL
 
     path = args.model or DEFAULT_MODEL
     if args.keep_word_cache:  # as transformers loads it, the BPE word cache on

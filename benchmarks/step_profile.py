@@ -160,7 +160,7 @@ def main() -> None:
         model = str(materialize(args.preset, Path(tmp.name)))
         kwargs.update(load_format="dummy", skip_tokenizer_init=True)
     else:
-        from pagedserve.engine.arg_utils import DEFAULT_MODEL
+        from pagedserve.config import DEFAULT_MODEL
 
         model = args.model or DEFAULT_MODEL
     for name in ("max_model_len", "max_num_batched_tokens"):

@@ -212,7 +212,7 @@ def main() -> None:
         model = str(materialize(args.preset, Path(tmp.name)))
         args.load_format, args.skip_tokenizer_init = "dummy", True
     else:
-        from pagedserve.engine.arg_utils import DEFAULT_MODEL
+        from pagedserve.config import DEFAULT_MODEL
 
         model, args.skip_tokenizer_init = args.model or DEFAULT_MODEL, False
     config = json.loads((Path(model) / "config.json").read_text())

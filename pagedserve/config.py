@@ -1,68 +1,147 @@
-"""Engine configuration: small frozen dataclasses, one per domain, validated on creation."""
+"""Engine configuration: small frozen dataclasses, one per domain, validated on creation.
 
+Each user-facing engine option is a field declared here with `option(...)`: its default, its
+help text and its validation (the class's `__post_init__`) live on that field and nowhere else.
+`EngineArgs` (engine/arg_utils.py), the CLI flags and the README's option table are generated
+from these fields. Import rule: a leaf; imports nothing from pagedserve (torch only lazily, to
+check a CUDA device).
+"""
+
+import dataclasses
+import re
 from dataclasses import dataclass
+from importlib.resources import files
 from typing import Any
 
-_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
-_LOAD_FORMATS = ("auto", "safetensors", "dummy")
-_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
+DEFAULT_MODEL = str(files("pagedserve.assets") / "stories260k")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's; also InputProcessor's default
 
 
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Which model to run and how.
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    default_text: str | None = None,
+    cli: dict[str, Any] | None = None,
+) -> Any:
+    """A dataclass field that is a user-facing option (vLLM's name), with its one default.
 
-    model: local folder with config.json and *.safetensors (Hugging Face layout).
-    tokenizer: folder of the tokenizer; defaults to `model`.
-    skip_tokenizer_init: load no tokenizer (token-id prompts only, no output text).
-    dtype: "auto" (the checkpoint's dtype; float32 on CPU for half-precision checkpoints),
-        "float32", "float16" or "bfloat16".
-    max_model_len: longest prompt + output in tokens; defaults to the model's context length.
-    load_format: "auto"/"safetensors" reads the weights, "dummy" fills random weights.
-    hf_config: the loaded `transformers.PretrainedConfig` (derived, not a user field).
-    max_logprobs: most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary).
+    help: what the option does, shown by `--help` and in the README's option table.
+    default_text: what the default means, where its value alone does not say it (shown as
+        "(default: TEXT)" instead of the value).
+    cli: extra `argparse.add_argument` keywords (type, nargs, choices, action) where the
+        field's annotation does not give them.
+    Without `default`, the config holds a value derived when it is created (e.g. from the
+    model's config.json); the option then defaults to None ("derive it"), the field is
+    keyword-only, and `default_text` (required) says how it is derived.
+    Returns a `dataclasses.field`; raises ValueError when `default_text` is missing there.
     """
+    if default is dataclasses.MISSING and not default_text:
+        raise ValueError("an option without a default needs default_text saying how it is derived")
+    metadata = {"help": help, "default_text": default_text, "cli": cli or {}}
+    if default is dataclasses.MISSING:
+        return dataclasses.field(metadata=metadata, kw_only=True)
+    return dataclasses.field(default=default, metadata=metadata)
 
-    model: str
-    tokenizer: str
-    skip_tokenizer_init: bool
-    dtype: str
-    max_model_len: int
-    load_format: str
-    seed: int
+
+def is_option(f: dataclasses.Field[Any]) -> bool:
+    """Whether a dataclass field was declared with `option(...)`."""
+    return "help" in f.metadata
+
+
+def option_default(f: dataclasses.Field[Any]) -> Any:
+    """The default of an option as the user sees it: the field's, or None where it is derived."""
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """Which model to run and how. `hf_config` (the loaded `transformers.PretrainedConfig`) and
+    `eos_token_ids` are read from the model folder, not options."""
+
+    model: str = option(
+        DEFAULT_MODEL,
+        help="local Hugging Face model folder",
+        default_text="the bundled stories260k",
+    )
+    tokenizer: str = option(help="tokenizer folder", default_text="the model folder")
+    skip_tokenizer_init: bool = option(
+        False, help="load no tokenizer: prompts must be token ids, outputs have no text"
+    )
+    dtype: str = option(
+        "auto",
+        help="auto (the checkpoint's dtype; float32 on CPU for half-precision checkpoints), "
+        "float32, float16 or bfloat16",
+    )
+    seed: int = option(0, help="random seed of the engine")
+    max_model_len: int = option(
+        help="longest prompt + output in tokens", default_text="the model's context"
+    )
+    max_logprobs: int = option(
+        DEFAULT_MAX_LOGPROBS,
+        help="most logprobs or prompt_logprobs a request may ask for (-1: no cap)",
+    )
+    load_format: str = option(
+        "auto", help="auto/safetensors (read weights) or dummy (random weights)"
+    )
     hf_config: Any
     eos_token_ids: tuple[int, ...]
-    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        if not -(2**63) <= self.seed < 2**64:  # torch.manual_seed's range
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(
-                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
-            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        model_max_len = get_model_max_len(self.hf_config)
+        if self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) is larger than the model's context length "
+                f"({model_max_len}, from config.json)"
+            )
+
+
+def get_model_max_len(hf_config: Any) -> int:
+    """The model's context length from its config (`max_position_embeddings` or `n_positions`)."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """KV cache layout and sizing.
+    """KV cache layout and sizing."""
 
-    block_size: token slots per block (a power of two; 16 by default as in vLLM).
-    kv_cache_memory_bytes: bytes given to K/V blocks; None = size automatically (GPU: after a
-        profiling pass, `gpu_memory_utilization` of the card; CPU: a fraction of free RAM).
-    num_gpu_blocks_override: exact number of blocks, overriding the sizing above.
-    enable_prefix_caching: reuse full blocks whose chained hash matches (on by default).
-    """
-
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
+    block_size: int = option(16, help="tokens per KV cache block (a power of two)")
+    gpu_memory_utilization: float = option(
+        0.9,
+        help="fraction of GPU memory for weights, activations and KV cache (when "
+        "kv_cache_memory_bytes is not given)",
+    )
+    kv_cache_memory_bytes: int | None = option(
+        None,
+        help="bytes of KV cache, overriding the automatic sizing (GPU: after a profiling pass, "
+        "gpu_memory_utilization of the card; CPU: a fraction of free RAM)",
+    )
+    num_gpu_blocks_override: int | None = option(
+        None,
+        help="exact number of KV cache blocks, overriding kv_cache_memory_bytes and "
+        "gpu_memory_utilization",
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        help="reuse KV blocks of shared prompt prefixes (full blocks whose chained hash matches)",
+    )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -83,20 +162,23 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Per-step limits of continuous batching.
+    """Per-step limits of continuous batching."""
 
-    max_num_seqs: most requests running at once.
-    max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
-    enable_chunked_prefill: split prompts longer than the remaining budget over several steps.
-    async_scheduling: schedule step N+1 while the device runs step N (vLLM's
-        `--async-scheduling`); a decode's input token is then the one step N samples, taken on
-        the device. None = on for CUDA devices (off on the CPU, where nothing overlaps).
-    """
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = True
-    async_scheduling: bool | None = None
+    max_num_seqs: int = option(256, help="most requests running at once")
+    max_num_batched_tokens: int = option(
+        help="token budget of one engine step (prefill chunks + decodes)",
+        default_text="8192; 16384 for the offline LLM class on GPUs with >= 70 GiB other than "
+        "the A100, as vLLM",
+    )
+    enable_chunked_prefill: bool = option(
+        True, help="split prompts longer than the remaining budget over several steps"
+    )
+    async_scheduling: bool | None = option(
+        None,
+        help="schedule the next step while the device runs this one (a decode's input token is "
+        "then the one the step before samples, taken on the device)",
+        default_text="on for CUDA devices",
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -109,31 +191,35 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How the model is spread over devices (tensor parallelism).
+    """How the model is spread over devices (tensor parallelism)."""
 
-    tensor_parallel_size: ranks that each hold a 1/tp_size shard of every layer.
-    distributed_executor_backend: where the ranks run: "uni" (in the engine's process; one
-        rank only), "mp" (one worker process per rank on this host) or "ray" (one Ray actor
-        per rank, anywhere on a Ray cluster). None = "uni" for one rank, else "mp".
-    distributed_timeout_s: how long a collective, or the engine waiting for a worker's reply
-        to a step, may take before the workers are declared dead (EngineDeadError).
-    """
-
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    distributed_timeout_s: float = 300.0
+    tensor_parallel_size: int = option(
+        1, help="number of tensor-parallel ranks (each holds a 1/size shard of every layer)"
+    )
+    distributed_executor_backend: str | None = option(
+        None,
+        help="where the ranks run: uni (in the engine's process; one rank only), mp (a worker "
+        "process per rank on this host) or ray (a Ray actor per rank, on a Ray cluster)",
+        default_text="uni for one rank, else mp",
+    )
+    distributed_timeout_s: float = option(
+        300.0,
+        help="seconds a collective or a worker's reply may take before the workers are "
+        "declared dead",
+    )
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size <= 0:
             raise ValueError(
-                f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}"
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
-        if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(
-                f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS[1:]} or "
-                f"None, got {self.distributed_executor_backend!r}"
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS} or None, "
+                f"got {backend!r}"
             )
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+        if backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(
                 f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size is "
                 f"{self.tensor_parallel_size}; use 'mp' or 'ray'"
@@ -153,22 +239,88 @@ class ParallelConfig:
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
-    """Where the model runs: "cpu", "cuda" or "cuda:N"; "auto" picks CUDA when available.
+    """Where and how the model runs."""
 
-    attention_backend: "auto", "torch" or "triton". enforce_eager: never use CUDA graphs.
-    """
+    device: str = option("auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    attention_backend: str = option("auto", help="auto, torch or triton")
+    enforce_eager: bool = option(False, help="never use CUDA graphs")
 
-    device: str = "auto"
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
+    def __post_init__(self) -> None:
+        _check_device(self.device)
+
+
+def _check_device(device: str) -> None:
+    """One of auto, cpu (or cpu:N), cuda or cuda:N, and CUDA only where torch has it.
+    Raises ValueError."""
+    if device in ("auto", "cpu") or re.fullmatch(r"cpu:\d+", device):
+        return
+    if device != "cuda" and not re.fullmatch(r"cuda:\d+", device):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {device!r} asked for, but torch sees no CUDA GPU "
+            f"(torch {torch.__version__}; torch.cuda.is_available() is False)"
+        )
+    if cuda_index(device) >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {device!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)"
+        )
+
+
+def cuda_index(device: str) -> int:
+    """N of "cuda:N"; 0 for "cuda" and "auto"."""
+    return int(device.partition(":")[2] or 0)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """All of the above, as one object handed to the engine's parts."""
+    """All of the above, as one object handed to the engine's parts; checks the options that
+    depend on each other or on the model."""
 
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+
+    def __post_init__(self) -> None:
+        _check_tensor_parallel_size(
+            self.model_config.hf_config, self.parallel_config.tensor_parallel_size
+        )
+        budget = self.scheduler_config.max_num_batched_tokens
+        max_model_len = self.model_config.max_model_len
+        if not self.scheduler_config.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than "
+                f"max_model_len ({max_model_len}); enable chunked prefill or raise the budget"
+            )
+
+
+def _check_tensor_parallel_size(hf_config: Any, tp_size: int) -> None:
+    """Tensor parallelism splits the attention heads (and the KV heads, or replicates them
+    when there are fewer than ranks) evenly: check before any worker starts. Raises
+    ValueError naming the counts."""
+    num_heads = getattr(hf_config, "num_attention_heads", None) or getattr(
+        hf_config, "n_head", None
+    )
+    if not isinstance(num_heads, int) or tp_size == 1:
+        return
+    if num_heads % tp_size:
+        raise ValueError(
+            f"num_attention_heads ({num_heads}) is not divisible by tensor_parallel_size "
+            f"({tp_size})"
+        )
+    intermediate_size = getattr(hf_config, "intermediate_size", None)
+    if isinstance(intermediate_size, int) and intermediate_size % tp_size:
+        raise ValueError(
+            f"intermediate_size ({intermediate_size}) is not divisible by tensor_parallel_size "
+            f"({tp_size})"
+        )
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size ({tp_size}): "
+            f"one must divide the other"
+        )

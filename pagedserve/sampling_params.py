@@ -64,7 +64,7 @@ class SamplingParams:
         error). The engine resolves it: its requests' params hold the int it runs to.
     min_tokens: no EOS or stop token before.
     logprobs: top-k logprobs per generated token, plus the sampled token's (at most the engine's
-        `max_logprobs`, 20 by default). They are log-softmax of the processed logits: after
+        `max_logprobs` option). They are log-softmax of the processed logits: after
         allowed_token_ids, bad_words, min_tokens, logit_bias, the penalties and the temperature
         (1 for greedy requests), before the top-k/top-p/min-p cut.
     prompt_logprobs: the same for each prompt token (raw logits; the first token has none).

@@ -21,7 +21,9 @@ def make_scheduler(
     max_model_len: int = 256,
     caching: bool = True,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill=True)
+    config = SchedulerConfig(
+        max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True
+    )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
 
 

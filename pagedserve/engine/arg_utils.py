@@ -1,14 +1,17 @@
-"""EngineArgs: the flat list of user-facing engine options (vLLM's names) -> EngineConfig."""
+"""EngineArgs: the flat list of user-facing engine options (vLLM's names) -> EngineConfig.
+
+Each option's default, help and validation live on its config field (pagedserve.config); the
+fields here only name the options and their user-facing types, and take the rest from there.
+"""
 
 import json
 import numbers
 import os
-import re
 import typing
-from dataclasses import dataclass, fields
-from importlib.resources import files
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedserve.config import (
     CacheConfig,
@@ -17,10 +20,12 @@ from pagedserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    cuda_index,
+    get_model_max_len,
+    is_option,
+    option_default,
 )
 from pagedserve.errors import UnsupportedModelError
-
-DEFAULT_MODEL = str(files("pagedserve.assets") / "stories260k")
 
 # Who builds the engine (vLLM's UsageContext): the offline `LLM` class gets a larger default
 # step token budget on big GPUs than the server, where a smaller one keeps decodes of running
@@ -40,42 +45,79 @@ def default_max_num_batched_tokens(usage_context: str, device: str) -> int:
 
     if not torch.cuda.is_available():
         return 8192
-    props = torch.cuda.get_device_properties(_cuda_index(device))
+    props = torch.cuda.get_device_properties(cuda_index(device))
     if props.total_memory >= 70 * _GiB and "a100" not in props.name.lower():
         return 16384
     return 8192
 
 
+_FROM_CONFIG: Any = object()  # an EngineArgs field's default: the config field's (filled below)
+_T = TypeVar("_T")
+
+
+def _options_from(*configs: Any) -> Callable[[type[_T]], type[_T]]:
+    """Class decorator (under @dataclass): give each `name: type = _FROM_CONFIG` field the
+    default and help of the config field of that name, as a `dataclasses.field`. Checks at
+    import that the class names every option of `configs` exactly once, each with the config
+    field's type (or that type | None where the config derives the value), and that no
+    option is declared by two configs; raises TypeError."""
+    options = {}
+    for config in configs:
+        for f in filter(is_option, fields(config)):
+            if f.name in options:
+                raise TypeError(f"option {f.name} is declared by two configs")
+            options[f.name] = (f, typing.get_type_hints(config)[f.name])
+
+    def decorate(cls: type[_T]) -> type[_T]:
+        names = typing.get_type_hints(cls)
+        missing, unknown = sorted(set(options) - set(names)), sorted(set(names) - set(options))
+        if missing or unknown:
+            raise TypeError(f"{cls.__name__}: options missing {missing}, unknown {unknown}")
+        for name, annotation in names.items():
+            source, kind = options[name]
+            default = option_default(source)
+            expected = kind if default is not None else kind | None
+            if vars(cls).get(name) is not _FROM_CONFIG or annotation != expected:
+                raise TypeError(f"{cls.__name__}.{name} must be `{expected} = _FROM_CONFIG`")
+            setattr(cls, name, field(default=default, metadata=source.metadata))
+        return cls
+
+    return decorate
+
+
 @dataclass(slots=True)
+@_options_from(ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
 class EngineArgs:
     """Options of `LLM(...)`, `LLMEngine` and the CLI, named as vLLM's `EngineArgs`.
 
-    See the config dataclasses in `pagedserve.config` for each field's meaning.
+    Each field's default and help (`dataclasses.fields(EngineArgs)[i].metadata["help"]`) are
+    those of the config field of the same name in `pagedserve.config`; None where the config
+    derives the value (the model's context length, the tokenizer folder, ...).
     """
 
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    skip_tokenizer_init: bool = False
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_logprobs: int = 20
-    load_format: str = "auto"
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    async_scheduling: bool | None = None
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    distributed_timeout_s: float = 300.0
-    device: str = "auto"
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
+    model: str = _FROM_CONFIG
+    tokenizer: str | None = _FROM_CONFIG
+    skip_tokenizer_init: bool = _FROM_CONFIG
+    dtype: str = _FROM_CONFIG
+    seed: int = _FROM_CONFIG
+    max_model_len: int | None = _FROM_CONFIG
+    max_logprobs: int = _FROM_CONFIG
+    load_format: str = _FROM_CONFIG
+    block_size: int = _FROM_CONFIG
+    gpu_memory_utilization: float = _FROM_CONFIG
+    kv_cache_memory_bytes: int | None = _FROM_CONFIG
+    num_gpu_blocks_override: int | None = _FROM_CONFIG
+    enable_prefix_caching: bool = _FROM_CONFIG
+    max_num_seqs: int = _FROM_CONFIG
+    max_num_batched_tokens: int | None = _FROM_CONFIG
+    enable_chunked_prefill: bool = _FROM_CONFIG
+    async_scheduling: bool | None = _FROM_CONFIG
+    tensor_parallel_size: int = _FROM_CONFIG
+    distributed_executor_backend: str | None = _FROM_CONFIG
+    distributed_timeout_s: float = _FROM_CONFIG
+    device: str = _FROM_CONFIG
+    attention_backend: str = _FROM_CONFIG
+    enforce_eager: bool = _FROM_CONFIG
 
     def __post_init__(self) -> None:
         # A path object names a folder as well as a string does.
@@ -89,79 +131,54 @@ class EngineArgs:
         return [f.name for f in fields(cls)]
 
     def create_engine_config(self, usage_context: str = "engine_context") -> EngineConfig:
-        """Load the model's config.json and resolve defaults; `usage_context` (one of
-        USAGE_CONTEXTS) picks the default step token budget as vLLM does.
+        """Load the model's config.json and resolve the derived defaults; `usage_context` (one
+        of USAGE_CONTEXTS) picks the default step token budget as vLLM does.
 
         Raises UnsupportedModelError (a ValueError) when the folder or its config is missing,
-        and ValueError when an option is out of range (naming the option and the limit).
+        and ValueError when an option has the wrong type or is out of range (naming the option
+        and the limit; the configs' `__post_init__` check the ranges). The options that need
+        no model are checked before the model's config is read.
         """
         if usage_context not in USAGE_CONTEXTS:
             raise ValueError(
                 f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}"
             )
         self._check_types()
-        _check_device(self.device)
-        if not -(2**63) <= self.seed < 2**64:  # torch.manual_seed's range
-            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        device_config = self._build(DeviceConfig)
+        cache_config = self._build(CacheConfig)
+        parallel_config = self._build(ParallelConfig)
         hf_config = load_hf_config(self.model)
-        _check_tensor_parallel_size(hf_config, self.tensor_parallel_size)
-        model_max_len = get_model_max_len(hf_config)
-        max_model_len = model_max_len if self.max_model_len is None else self.max_model_len
-        if max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-        if max_model_len > model_max_len:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) is larger than the model's context length "
-                f"({model_max_len}, from config.json)"
-            )
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = get_model_max_len(hf_config)
+        model_config = self._build(
+            ModelConfig,
+            tokenizer=self.tokenizer or self.model,
+            max_model_len=max_model_len,
+            hf_config=hf_config,
+            eos_token_ids=read_eos_token_ids(self.model, hf_config),
+        )
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(
                 default_max_num_batched_tokens(usage_context, self.device), self.max_num_seqs
             )
-        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({max_model_len}); enable chunked prefill or raise the budget"
-            )
-        model_config = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer or self.model,
-            skip_tokenizer_init=self.skip_tokenizer_init,
-            dtype=self.dtype,
-            max_model_len=max_model_len,
-            load_format=self.load_format,
-            seed=self.seed,
-            hf_config=hf_config,
-            eos_token_ids=read_eos_token_ids(self.model, hf_config),
-            max_logprobs=self.max_logprobs,
+        scheduler_config = self._build(
+            SchedulerConfig, max_num_batched_tokens=max_num_batched_tokens
         )
         return EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(
-                block_size=self.block_size,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                num_gpu_blocks_override=self.num_gpu_blocks_override,
-                enable_prefix_caching=self.enable_prefix_caching,
-            ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                async_scheduling=self.async_scheduling,
-            ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-                distributed_timeout_s=self.distributed_timeout_s,
-            ),
-            device_config=DeviceConfig(
-                device=self.device,
-                attention_backend=self.attention_backend,
-                enforce_eager=self.enforce_eager,
-            ),
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            parallel_config=parallel_config,
+            device_config=device_config,
         )
+
+    def _build(self, config: Any, **derived: Any) -> Any:
+        """The config dataclass `config` from this object's options of the same names, and
+        `derived` for the values resolved here (its `__post_init__` validates them all)."""
+        options = {f.name: getattr(self, f.name) for f in fields(config) if is_option(f)}
+        return config(**(options | derived))
 
     def _check_types(self) -> None:
         """Every option has its annotated type, so that a wrong one fails now, naming the
@@ -203,61 +220,6 @@ def _as_one_of(value: Any, kinds: tuple[Any, ...]) -> Any:
     return _WRONG
 
 
-def _check_device(device: str) -> None:
-    """One of auto, cpu (or cpu:N), cuda or cuda:N, and CUDA only where torch has it.
-    Raises ValueError."""
-    if device in ("auto", "cpu") or re.fullmatch(r"cpu:\d+", device):
-        return
-    if device != "cuda" and not re.fullmatch(r"cuda:\d+", device):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"device {device!r} asked for, but torch sees no CUDA GPU "
-            f"(torch {torch.__version__}; torch.cuda.is_available() is False)"
-        )
-    if _cuda_index(device) >= torch.cuda.device_count():
-        raise ValueError(
-            f"device {device!r} asked for, but torch sees {torch.cuda.device_count()} GPU(s)"
-        )
-
-
-def _cuda_index(device: str) -> int:
-    """N of "cuda:N"; 0 for "cuda" and "auto"."""
-    return int(device.partition(":")[2] or 0)
-
-
-def _check_tensor_parallel_size(hf_config: Any, tp_size: int) -> None:
-    """Tensor parallelism splits the attention heads (and the KV heads, or replicates them
-    when there are fewer than ranks) evenly: check before any worker starts. Raises
-    ValueError naming the counts."""
-    if tp_size < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp_size}")
-    num_heads = getattr(hf_config, "num_attention_heads", None) or getattr(
-        hf_config, "n_head", None
-    )
-    if not isinstance(num_heads, int) or tp_size == 1:
-        return
-    if num_heads % tp_size:
-        raise ValueError(
-            f"num_attention_heads ({num_heads}) is not divisible by tensor_parallel_size "
-            f"({tp_size})"
-        )
-    intermediate_size = getattr(hf_config, "intermediate_size", None)
-    if isinstance(intermediate_size, int) and intermediate_size % tp_size:
-        raise ValueError(
-            f"intermediate_size ({intermediate_size}) is not divisible by tensor_parallel_size "
-            f"({tp_size})"
-        )
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    if num_kv_heads % tp_size and tp_size % num_kv_heads:
-        raise ValueError(
-            f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size ({tp_size}): "
-            f"one must divide the other"
-        )
-
-
 def load_hf_config(model: str) -> Any:
     """transformers' config of a local model folder; raises UnsupportedModelError if absent."""
     from transformers import AutoConfig
@@ -275,15 +237,6 @@ def load_hf_config(model: str) -> Any:
     return AutoConfig.from_pretrained(model, local_files_only=True)
 
 
-def get_model_max_len(hf_config: Any) -> int:
-    """The model's context length from its config (`max_position_embeddings` or `n_positions`)."""
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(hf_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
-
-
 def read_eos_token_ids(model: str, hf_config: Any) -> tuple[int, ...]:
     """EOS ids from generation_config.json and config.json (either may hold a list)."""
     ids: list[int] = []
@@ -298,67 +251,6 @@ def read_eos_token_ids(model: str, hf_config: Any) -> tuple[int, ...]:
             if isinstance(token_id, int) and token_id not in ids:
                 ids.append(token_id)
     return tuple(ids)
-
-
-_FLAG_HELP = {
-    "model": "local Hugging Face model folder (default: the bundled stories260k)",
-    "tokenizer": "tokenizer folder (default: the model folder)",
-    "skip_tokenizer_init": "load no tokenizer: prompts must be token ids, outputs have no text",
-    "dtype": "auto, float32, float16 or bfloat16",
-    "seed": "random seed of the engine",
-    "max_model_len": "longest prompt + output in tokens (default: the model's context)",
-    "max_logprobs": "most logprobs or prompt_logprobs a request may ask for (-1: no cap)",
-    "load_format": "auto/safetensors (read weights) or dummy (random weights)",
-    "block_size": "tokens per KV cache block (a power of two)",
-    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
-    "kv_cache_memory_bytes": "bytes of KV cache (overrides automatic sizing)",
-    "num_gpu_blocks_override": "exact number of KV cache blocks",
-    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-    "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "token budget of one engine step (default: 8192; 16384 for the "
-    "offline LLM class on GPUs with >= 70 GiB, as vLLM)",
-    "enable_chunked_prefill": "split long prompts over several steps",
-    "async_scheduling": "schedule the next step while the device runs this one (default: on "
-    "for CUDA devices)",
-    "tensor_parallel_size": "number of tensor-parallel ranks",
-    "distributed_executor_backend": "uni, mp or ray (default: uni for one rank, else mp)",
-    "distributed_timeout_s": "seconds a collective or a worker's reply may take before the "
-    "workers are declared dead",
-    "device": "auto, cpu, cuda or cuda:N",
-    "attention_backend": "auto, torch or triton",
-    "enforce_eager": "never use CUDA graphs",
-}
-
-
-def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
-    """Add one `--flag-name` per EngineArgs field (vLLM's spelling) to an argparse parser."""
-    import argparse
-
-    defaults = EngineArgs()
-    for f in fields(EngineArgs):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        help_text = _FLAG_HELP.get(f.name, "")
-        if "default" not in help_text:
-            help_text += " (default: %(default)s)"
-        if isinstance(default, bool) or "bool" in str(f.type):
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
-            )
-            continue
-        kind = type(default) if default is not None else _optional_type(f.type)
-        parser.add_argument(flag, type=kind, default=default, help=help_text)
-
-
-def _optional_type(annotation: Any) -> Any:
-    text = str(annotation)
-    if "int" in text:
-        return int
-    if "float" in text:
-        return float
-    return str
 
 
 def engine_args_from_namespace(namespace: Any) -> EngineArgs:

@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.config import DEFAULT_MAX_LOGPROBS
 from pagedserve.engine.prompt_bound import check_prompt_chars
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams, is_default_max_tokens
@@ -30,7 +31,7 @@ class InputProcessor:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
-        max_logprobs: int = 20,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
         """max_logprobs: most logprobs or prompt_logprobs a request may ask for (-1: the
         vocabulary size)."""

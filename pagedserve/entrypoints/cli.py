@@ -4,8 +4,8 @@ import argparse
 import logging
 import sys
 
-from pagedserve.engine.arg_utils import add_engine_args, engine_args_from_namespace
-from pagedserve.entrypoints.openai.cli_args import add_server_args
+from pagedserve.engine.arg_utils import engine_args_from_namespace
+from pagedserve.entrypoints.openai.cli_args import add_engine_args, add_server_args
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -50,10 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate continuations of prompts with the offline engine.",
     )
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1 = off)")
-    gen.add_argument("--top-k", type=int, default=0, help="top-k (default: 0 = off)")
+    gen.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)"
+    )
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)"
+    )
+    gen.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default: %(default)s)"
+    )
+    gen.add_argument("--top-k", type=int, default=0, help="top-k, 0 = off (default: %(default)s)")
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     gen.add_argument("--stop", action="append", help="a stop string (repeat for several)")
     add_engine_args(gen)

@@ -7,7 +7,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from pagedserve.config import DEFAULT_MODEL
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.beam_search import BeamSearchOutput, beam_search
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
@@ -22,10 +23,9 @@ ChatMessages = list[dict[str, Any]]
 class LLM:
     """Generate text for batches of prompts with continuous batching (vLLM's `LLM`).
 
-    Keyword arguments are `EngineArgs` fields (`dtype`, `seed`, `max_model_len`, `block_size`,
-    `max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory_bytes`,
-    `enable_prefix_caching`, `load_format`, ...). `model` defaults to the bundled
-    stories260k model. Raises ValueError for unknown or out-of-range options.
+    Keyword arguments are the engine options, `EngineArgs`' fields (their defaults and
+    meanings: the table in README.md, or `pagedserve.config`). Raises ValueError for unknown
+    or out-of-range options.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:

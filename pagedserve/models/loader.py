@@ -10,12 +10,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedserve.config import LOAD_FORMATS
 from pagedserve.distributed.parallel_state import get_tp_size
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.models.registry import get_model_class
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.engine.arg_utils import DEFAULT_MODEL
+from pagedserve.config import DEFAULT_MODEL
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.prompt_bound import token_bound
 from pagedserve.errors import InvalidRequestError, UnsupportedModelError

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from pagedserve import LLM
-from pagedserve.engine.arg_utils import DEFAULT_MODEL
+from pagedserve.config import DEFAULT_MODEL
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import BeamSearchParams
 

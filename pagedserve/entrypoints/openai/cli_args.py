@@ -1,11 +1,20 @@
 """Command-line flags of the OpenAI-compatible server, shared by `pagedserve serve` and
-`python -m pagedserve.entrypoints.openai.api_server`."""
+`python -m pagedserve.entrypoints.openai.api_server`.
+
+`python -m pagedserve.entrypoints.openai.cli_args --markdown engine` (or `server`) prints the
+option table that README.md (docs/serving.md) holds between its `engine-options`
+(`server-options`) marker comments; tests/entrypoints/test_options.py checks they agree."""
 
 import argparse
 import math
+import sys
+from dataclasses import dataclass
+from typing import Any
 
 from pagedserve import envs
-from pagedserve.engine.arg_utils import add_engine_args
+from pagedserve.config import option
+from pagedserve.engine.arg_utils import EngineArgs
+from pagedserve.entrypoints.options import add_options, markdown_table
 
 from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
@@ -34,63 +43,66 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the server flags, then the engine flags (one per EngineArgs field), in two groups."""
-    server = parser.add_argument_group("server options")
-    server.add_argument(
-        "--host", default="0.0.0.0", help="address to listen on (default: %(default)s)"
+@dataclass(frozen=True)
+class ServerArgs:
+    """The server's own flags (the engine's are EngineArgs'), declared once: `--help`, the
+    parser and the table in docs/serving.md are generated from these fields."""
+
+    host: str = option("0.0.0.0", help="address to listen on")
+    port: int = option(8000, help="port", cli={"type": port})  # the function above
+    served_model_name: list[str] | None = option(
+        None,
+        help="model name(s) that clients pass as `model`; the first is used in responses",
+        default_text="the --model argument",
+        cli={"nargs": "+"},
     )
-    server.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
-    server.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="model name(s) that clients pass as `model`; the first is used in responses "
-        "(default: the --model argument)",
+    api_key: str | None = option(
+        None,
+        help="require `Authorization: Bearer KEY` on every route but /health and /metrics",
+        default_text="$PAGEDSERVE_API_KEY, else no key",
     )
-    server.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` on every route but /health and /metrics "
-        "(default: $PAGEDSERVE_API_KEY, else no key)",
+    chat_template: str | None = option(
+        None,
+        help="Jinja chat template: a file, or the template itself",
+        default_text="the tokenizer's",
     )
-    server.add_argument(
-        "--chat-template",
-        default=None,
-        help="Jinja chat template: a file, or the template itself (default: the tokenizer's)",
+    max_request_body_bytes: int = option(
+        DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="largest request body accepted, in bytes; a larger one gets 413 before it is read "
+        "(on Content-Length, or as a streamed body passes the limit)",
+        cli={"type": positive_int},
     )
-    server.add_argument(
-        "--max-request-body-bytes",
-        type=positive_int,
-        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-        help="largest request body accepted; a larger one gets 413 before it is read "
-        "(default: %(default)s, 16 MiB)",
-    )
-    server.add_argument(
-        "--keep-alive-on-engine-death",
-        action="store_true",
+    keep_alive_on_engine_death: bool = option(
+        False,
         help="when the engine core dies, keep serving (every request then gets a 503) "
         "instead of exiting with status 1 so that a supervisor restarts the server "
         "(vLLM: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1)",
+        cli={"action": "store_true"},
     )
-    server.add_argument(
-        "--disable-log-requests", action="store_true", help="do not log each request"
+    disable_log_requests: bool = option(
+        False, help="do not log each request", cli={"action": "store_true"}
     )
-    server.add_argument(
-        "--disable-log-stats", action="store_true", help="do not log throughput periodically"
+    disable_log_stats: bool = option(
+        False, help="do not log throughput periodically", cli={"action": "store_true"}
     )
-    server.add_argument(
-        "--stats-log-interval",
-        type=seconds,
-        default=10.0,
-        help="seconds between throughput log lines (default: %(default)s)",
+    stats_log_interval: float = option(
+        10.0, help="seconds between throughput log lines", cli={"type": seconds}
     )
-    server.add_argument(
-        "--uvicorn-log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="log level of uvicorn (default: %(default)s)",
+    uvicorn_log_level: str = option(
+        "info",
+        help="log level of uvicorn",
+        cli={"choices": ["critical", "error", "warning", "info", "debug", "trace"]},
     )
+
+
+def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
+    """Add one `--flag-name` per EngineArgs field (vLLM's spelling) to an argparse parser."""
+    add_options(parser, EngineArgs, skip)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the server flags, then the engine flags (one per EngineArgs field), in two groups."""
+    add_options(parser.add_argument_group("server options"), ServerArgs)
     add_engine_args(parser.add_argument_group("engine options"))
     return parser
 
@@ -104,3 +116,26 @@ def resolve_server_args(args: argparse.Namespace) -> argparse.Namespace:
     if not args.served_model_name:
         args.served_model_name = [args.model]
     return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the Markdown table of the engine or server options."""
+    parser = argparse.ArgumentParser(description="Print an option table for the docs.")
+    parser.add_argument("--markdown", choices=["engine", "server"], required=True)
+    args = parser.parse_args(argv)
+    print(engine_table() if args.markdown == "engine" else server_table())
+    return 0
+
+
+def engine_table() -> str:
+    """The Markdown table of the engine options (README.md): keyword, flag, default, meaning."""
+    return markdown_table(EngineArgs, keyword_column=True)
+
+
+def server_table() -> str:
+    """The Markdown table of the server's own flags (docs/serving.md)."""
+    return markdown_table(ServerArgs, keyword_column=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
