@@ -7,8 +7,8 @@ and read by the OutputProcessor, in-process (`LLMEngine`) or after crossing the 
 (`AsyncLLMEngine`).
 
 Every message crosses as a msgpack array whose first item is its tag (see `core_proc` for the
-protocol); structs are arrays of their fields in order, with trailing fields that hold their
-default left out:
+protocol); structs are arrays of their fields in order (array_like: no field names on the
+wire), and SamplingParams, a dataclass, a map of its fields by name:
 
     server -> core (`ToCore`):  AddRequests, AbortRequests, FinishRequests, Shutdown
     core -> server (`ToServer`): EngineCoreOutputs, EngineCoreError
@@ -45,7 +45,7 @@ class PromptLogprobsData(msgspec.Struct, array_like=True, frozen=True, gc=False)
     ranks: list[int]  # of each prompt token (1 = the most likely)
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """What one step produced for one request (vLLM's `EngineCoreOutput`): its new token and,
     if it ended, why (finish_reason "stop", "length" or "abort"; stop_reason the stop token
     id that matched). `prompt_logprobs`: of the prompt chunk computed this step."""
@@ -70,7 +70,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     prefix_cache_hits: int  # tokens found
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     """One engine-core request to add (vLLM's `EngineCoreRequest`). `sampling_params` has
     max_tokens resolved; `sharing_group` and `fork_of` as in `Request` (parallel sampling)."""
 

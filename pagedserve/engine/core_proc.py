@@ -2,7 +2,7 @@
 
 Requests and outputs cross as the msgspec structs of `pagedserve.messages`, encoded with its
 codec (msgpack; each message is an array whose first item is its tag, each struct the array of
-its fields in order, trailing fields at their default left out):
+its fields in order):
 
     server -> core (PUSH/PULL, "input"), `messages.ToCore`:
         AddRequests     ["add", [EngineCoreRequest, ...]]
