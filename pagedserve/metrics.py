@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedserve.engine.core import SchedulerStats
+from pagedserve.messages import EngineCoreOutput, SchedulerStats
 from pagedserve.outputs import RequestOutput
-from pagedserve.scheduler import EngineCoreOutput
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = [

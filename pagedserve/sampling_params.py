@@ -1,13 +1,14 @@
-"""SamplingParams and BeamSearchParams: how to pick next tokens and when to stop (vLLM's API)."""
+"""SamplingParams (and BeamSearchParams, from beam_search_params): how to pick next tokens and
+when to stop (vLLM's API)."""
 
 import logging
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 import pagedserve.envs as envs
-from pagedserve.errors import InvalidRequestError
+from pagedserve.beam_search_params import BeamSearchParams as BeamSearchParams
+from pagedserve.param_checks import check, is_int, is_number, is_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -130,14 +131,14 @@ class SamplingParams:
             "min_p",
         ):
             value = getattr(self, name)
-            _check(
-                _is_number(value) and math.isfinite(value),
+            check(
+                is_number(value) and math.isfinite(value),
                 name,
                 f"must be a finite number, got {value!r}",
             )
         for name in ("n", "top_k", "min_tokens"):
             value = getattr(self, name)
-            _check(_is_int(value), name, f"must be an int, got {value!r}")
+            check(is_int(value), name, f"must be an int, got {value!r}")
         for name in (
             "best_of",
             "seed",
@@ -147,53 +148,51 @@ class SamplingParams:
             "truncate_prompt_tokens",
         ):
             value = getattr(self, name)
-            _check(value is None or _is_int(value), name, f"must be an int or None, got {value!r}")
+            check(value is None or is_int(value), name, f"must be an int or None, got {value!r}")
 
     def _validate(self) -> None:
-        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
-        _check(
+        check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        check(
             isinstance(self.output_kind, RequestOutputKind),
             "output_kind",
             f"must be a RequestOutputKind, got {self.output_kind!r}",
         )
         limit = envs.max_n_sequences()
-        _check(
+        check(
             self.n <= limit,
             "n",
             f"must be at most {limit} (PAGEDSERVE_MAX_N_SEQUENCES), got {self.n}",
         )
         if self.best_of is not None:
-            _check(
+            check(
                 self.best_of <= limit,
                 "best_of",
                 f"must be at most {limit} (PAGEDSERVE_MAX_N_SEQUENCES), got {self.best_of}",
             )
-            _check(
-                self.best_of >= self.n, "best_of", f"must be >= n ({self.n}), got {self.best_of}"
-            )
-            _check(
+            check(self.best_of >= self.n, "best_of", f"must be >= n ({self.n}), got {self.best_of}")
+            check(
                 self.best_of == self.n or self.output_kind != RequestOutputKind.DELTA,
                 "best_of",
                 f"must equal n ({self.n}) with output_kind=DELTA (streaming)",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
-        _check(
+            check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        check(
             self.repetition_penalty > 0.0,
             "repetition_penalty",
             f"must be > 0, got {self.repetition_penalty}",
         )
-        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         # The sampler divides and multiplies float32 logits by these: a value that rounds to
         # 0 or overflows there would turn banned tokens (-inf) into NaN, then into candidates.
-        _check(
+        check(
             _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX,
             "repetition_penalty",
             f"must be in [{_FLOAT32_TINY:.3g}, {_FLOAT32_MAX:.3g}] (float32), "
             f"got {self.repetition_penalty}",
         )
-        _check(
+        check(
             self.temperature <= _FLOAT32_MAX,
             "temperature",
             f"must be at most {_FLOAT32_MAX:.3g} (float32), got {self.temperature}",
@@ -208,18 +207,18 @@ class SamplingParams:
                 _MIN_TEMPERATURE,
             )
             self.temperature = _MIN_TEMPERATURE
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
-        _check(self.top_k < 2**63, "top_k", f"must fit in 64 bits, got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        check(self.top_k < 2**63, "top_k", f"must fit in 64 bits, got {self.top_k}")
+        check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _check(-(2**63) <= self.seed < 2**63, "seed", f"must fit in 64 bits, got {self.seed}")
+            check(-(2**63) <= self.seed < 2**63, "seed", f"must fit in 64 bits, got {self.seed}")
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
-        _check(self.min_tokens < 2**63, "min_tokens", f"must fit in 64 bits, got {self.min_tokens}")
+            check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        check(self.min_tokens < 2**63, "min_tokens", f"must fit in 64 bits, got {self.min_tokens}")
         if self.max_tokens is not None:
-            _check(
+            check(
                 self.min_tokens <= self.max_tokens,
                 "min_tokens",
                 f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
@@ -227,9 +226,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(value >= 0, name, f"must be >= 0, got {value}")
+                check(value >= 0, name, f"must be >= 0, got {value}")
         if self.truncate_prompt_tokens is not None:
-            _check(
+            check(
                 self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1,
                 "truncate_prompt_tokens",
                 f"must be -1 (max_model_len) or at least 1, got {self.truncate_prompt_tokens}",
@@ -239,57 +238,53 @@ class SamplingParams:
     def _validate_token_lists(self) -> None:
         assert isinstance(self.stop, list)
         max_stop = envs.max_stop_strings()
-        _check(
+        check(
             len(self.stop) <= max_stop,
             "stop",
             f"must hold at most {max_stop} strings (PAGEDSERVE_MAX_STOP_STRINGS), "
             f"got {len(self.stop)}",
         )
-        _check(
-            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
-        )
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         max_chars, num_chars = envs.max_stop_string_chars(), sum(map(len, self.stop))
-        _check(
+        check(
             num_chars <= max_chars,
             "stop",
             f"must hold at most {max_chars} characters in all "
             f"(PAGEDSERVE_MAX_STOP_STRING_CHARS), got {num_chars}",
         )
-        _check(
-            all(map(_is_unicode, self.stop)), "stop", "must be valid Unicode (no lone surrogate)"
-        )
-        _check(
+        check(all(map(is_unicode, self.stop)), "stop", "must be valid Unicode (no lone surrogate)")
+        check(
             not self.stop or self.detokenize,
             "stop",
             "needs detokenize=True (stop strings are matched in the text)",
         )
         assert self.stop_token_ids is not None
-        _check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        check(
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             f"must be non-negative token ids, got {self.stop_token_ids}",
         )
         if self.bad_words is not None:
-            _check(
+            check(
                 isinstance(self.bad_words, list | tuple)
                 and all(isinstance(w, str) and w.strip() for w in self.bad_words),
                 "bad_words",
                 f"must be a list of non-blank strings, got {self.bad_words!r}",
             )
-            _check(
-                all(map(_is_unicode, self.bad_words)),
+            check(
+                all(map(is_unicode, self.bad_words)),
                 "bad_words",
                 "must be valid Unicode (no lone surrogate)",
             )
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            _check(
+            check(
                 isinstance(ids, list | tuple) and len(ids) > 0,
                 "allowed_token_ids",
                 "must be a non-empty list of token ids (None allows every token)",
             )
-            _check(
-                all(_is_int(t) and t >= 0 for t in ids),
+            check(
+                all(is_int(t) and t >= 0 for t in ids),
                 "allowed_token_ids",
                 f"must be non-negative token ids, got {ids}",
             )
@@ -298,7 +293,7 @@ class SamplingParams:
         """logit_bias keys may arrive as strings (JSON); biases are clamped to [-100, 100]."""
         if self.logit_bias is None:
             return
-        _check(
+        check(
             isinstance(self.logit_bias, dict),
             "logit_bias",
             f"must map token ids to biases, got {self.logit_bias!r}",
@@ -309,9 +304,9 @@ class SamplingParams:
                 token_id = int(token)
             except (TypeError, ValueError):
                 token_id = -1
-            _check(token_id >= 0, "logit_bias", f"keys must be token ids, got {token!r}")
-            _check(
-                _is_number(value) and not math.isnan(value),
+            check(token_id >= 0, "logit_bias", f"keys must be token ids, got {token!r}")
+            check(
+                is_number(value) and not math.isnan(value),
                 "logit_bias",
                 f"values must be numbers, got {value!r} for token {token_id}",
             )
@@ -344,72 +339,6 @@ class SamplingParams:
         )
 
 
-@dataclass(slots=True)
-class BeamSearchParams:
-    """Parameters of `LLM.beam_search` (vLLM's `BeamSearchParams`).
-
-    beam_width: beams kept per prompt, and sequences returned. max_tokens: tokens to generate.
-    length_penalty: a finished beam scores cumulative logprob / (generated tokens ** it).
-    ignore_eos: EOS does not finish a beam. temperature: divides the logits before the
-    log-softmax that scores candidates (0 = plain log-softmax, as transformers does).
-    """
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        _check(
-            _is_int(self.beam_width) and self.beam_width >= 1,
-            "beam_width",
-            f"must be at least 1, got {self.beam_width!r}",
-            "BeamSearchParams",
-        )
-        _check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
-            "max_tokens",
-            f"must be at least 1, got {self.max_tokens!r}",
-            "BeamSearchParams",
-        )
-        _check(
-            _is_number(self.temperature) and self.temperature >= 0.0,
-            "temperature",
-            f"must be >= 0, got {self.temperature!r}",
-            "BeamSearchParams",
-        )
-        _check(
-            _is_number(self.length_penalty) and math.isfinite(self.length_penalty),
-            "length_penalty",
-            f"must be a finite number, got {self.length_penalty!r}",
-            "BeamSearchParams",
-        )
-
-
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
 _FLOAT32_MAX = 3.4028234663852886e38
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _is_unicode(text: str) -> bool:
-    """False for a string the tokenizer cannot take: a lone surrogate ("\\ud800" in JSON)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _check(ok: bool, name: str, message: str, owner: str = "SamplingParams") -> None:
-    if not ok:
-        raise InvalidRequestError(f"{owner}.{name} {message}")

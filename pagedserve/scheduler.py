@@ -6,29 +6,15 @@ from dataclasses import dataclass, field
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.messages import EngineCoreOutput
 from pagedserve.request import FINISH_REASONS, Request, RequestStatus
 from pagedserve.step import (
     PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
     NewRequestData,
-    PromptLogprobsData,
-    SampleLogprobsData,
     ScheduledRequest,
     SchedulerOutput,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCoreOutput:
-    """What one step produced for one request: its new token and, if it ended, why."""
-
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: SampleLogprobsData | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    prompt_logprobs: PromptLogprobsData | None = None  # of the prompt chunk computed this step
 
 
 @dataclass(slots=True)

@@ -5,6 +5,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# The logprobs data are messages too (they reach the API server's process in EngineCoreOutput);
+# re-exported here, where the workers produce them.
+from pagedserve.messages import PromptLogprobsData as PromptLogprobsData
+from pagedserve.messages import SampleLogprobsData as SampleLogprobsData
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -71,29 +75,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled_requests
-
-
-@dataclass(frozen=True, slots=True)
-class SampleLogprobsData:
-    """Logprobs of one sampled position: the sampled token first, then the top-k."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    sampled_rank: int  # 1 = the most likely token
-
-
-@dataclass(frozen=True, slots=True)
-class PromptLogprobsData:
-    """Logprobs of the prompt tokens scored in one step (a prefill chunk), from the raw logits.
-
-    Row i is prompt token `first_position + i` (>= 1: the first prompt token has no logprob):
-    that token first, then the top-k, as in SampleLogprobsData.
-    """
-
-    first_position: int
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]  # of each prompt token (1 = the most likely)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,11 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.core_client import CoreOutputs, EngineCoreClient, wait_readable
+from pagedserve.engine.core_client import EngineCoreClient, wait_readable
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import build_processors, register_request
 from pagedserve.errors import EngineDeadError, InvalidRequestError, PagedServeError
+from pagedserve.messages import EngineCoreOutputs
 from pagedserve.metrics import EngineMetrics
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -240,7 +241,7 @@ class AsyncLLMEngine:
             error = e if isinstance(e, EngineDeadError) else EngineDeadError(repr(e))
             self._fail(error)
 
-    def _process_outputs(self, message: CoreOutputs) -> None:
+    def _process_outputs(self, message: EngineCoreOutputs) -> None:
         now = time.monotonic()
         child_to_parent = self.output_processor.child_to_parent
 

@@ -6,43 +6,16 @@ It sees only token ids. Tokenizing, detokenizing and stop strings happen in the 
 
 import gc
 import logging
-from dataclasses import dataclass
 
 from pagedserve.config import EngineConfig
-from pagedserve.errors import InvalidRequestError
 from pagedserve.executor.factory import create_executor
-from pagedserve.kv_cache.manager import KVCacheManager, cdiv
+from pagedserve.kv_cache.manager import KVCacheManager, cdiv, check_fits_cache
+from pagedserve.messages import EngineCoreOutput, SchedulerStats
 from pagedserve.request import Request, RequestStatus
-from pagedserve.scheduler import EngineCoreOutput, Scheduler
+from pagedserve.scheduler import Scheduler
 from pagedserve.step import AsyncModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """A snapshot for metrics and logs."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of blocks in use, [0, 1]
-    num_preemptions_total: int
-    prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
-
-
-def check_fits_cache(
-    num_prompt_tokens: int, max_tokens: int, num_blocks: int, block_size: int
-) -> None:
-    """Raise InvalidRequestError when a request could never fit a cache of `num_blocks` blocks.
-    A function so that the API server process can check before sending the request."""
-    num_tokens = num_prompt_tokens + max_tokens
-    if cdiv(num_tokens, block_size) > num_blocks:
-        raise InvalidRequestError(
-            f"the request needs up to {num_tokens} tokens of KV cache but the whole cache "
-            f"holds {num_blocks * block_size}; lower max_tokens or shorten the prompt",
-            "max_tokens",
-        )
 
 
 class EngineCore:

@@ -15,31 +15,26 @@ import zmq
 import zmq.asyncio
 
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.core import SchedulerStats
-from pagedserve.engine.core_proc import (
-    decode_output,
-    encode_sampling_params,
-    pack,
-    run_engine_core,
-    unpack,
-)
+from pagedserve.engine.core_proc import run_engine_core
 from pagedserve.errors import EngineDeadError
+from pagedserve.messages import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreError,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishRequests,
+    Shutdown,
+    ToCore,
+    decode_to_server,
+    encode,
+)
 from pagedserve.process_start import check_not_importing_main, main_not_reimported
 from pagedserve.request import Request
-from pagedserve.scheduler import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_TIMEOUT_S = 5.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CoreOutputs:
-    """One "outputs" message of the core: a step's outputs and the scheduler's state after it."""
-
-    outputs: list[EngineCoreOutput]
-    stats: SchedulerStats
-    queue_times: list[tuple[str, float]]  # request id, seconds from arrival to first scheduling
 
 
 class EngineCoreClient:
@@ -126,45 +121,43 @@ class EngineCoreClient:
         return sentinel
 
     def send_add(self, requests: list[Request]) -> None:
-        payload = [
-            [
-                r.request_id,
-                r.prompt_token_ids,
-                encode_sampling_params(r.sampling_params),
-                r.sharing_group,
-                r.fork_of,
-            ]
-            for r in requests
-        ]
-        self._send(["add", payload])
+        self._send(
+            AddRequests(
+                [
+                    EngineCoreRequest(
+                        r.request_id,
+                        r.prompt_token_ids,
+                        r.sampling_params,
+                        r.sharing_group,
+                        r.fork_of,
+                    )
+                    for r in requests
+                ]
+            )
+        )
 
     def send_abort(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._send(["abort", request_ids])
+            self._send(AbortRequests(request_ids))
 
     def send_finish(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._send(["finish", request_ids])
+            self._send(FinishRequests(request_ids))
 
-    def _send(self, message: list[Any]) -> None:
+    def _send(self, message: ToCore) -> None:
         if not self.process.is_alive():
             raise EngineDeadError(self.death_message())
         try:
-            self._input.send(pack(message), flags=zmq.DONTWAIT)
+            self._input.send(encode(message), flags=zmq.DONTWAIT)
         except zmq.ZMQError as e:
             raise EngineDeadError(f"cannot reach the engine core: {e}") from e
 
-    async def receive(self) -> CoreOutputs:
+    async def receive(self) -> EngineCoreOutputs:
         """The next outputs message. Raises EngineDeadError when the core reports a failure."""
-        message = unpack(await self._output.recv())
-        if message[0] == "error":
-            raise EngineDeadError(f"the engine core failed:\n{message[1]}")
-        _, outputs, stats, queue_times = message
-        return CoreOutputs(
-            [decode_output(o) for o in outputs],
-            SchedulerStats(*stats),
-            [(request_id, seconds) for request_id, seconds in queue_times],
-        )
+        message = decode_to_server(await self._output.recv())
+        if isinstance(message, EngineCoreError):
+            raise EngineDeadError(f"the engine core failed:\n{message.traceback}")
+        return message
 
     def death_message(self) -> str:
         return (
@@ -179,7 +172,7 @@ class EngineCoreClient:
         self._closed = True
         if self.process.is_alive():
             with contextlib.suppress(zmq.ZMQError):
-                self._input.send(pack(["shutdown"]), flags=zmq.DONTWAIT)
+                self._input.send(encode(Shutdown()), flags=zmq.DONTWAIT)
             self.process.join(_SHUTDOWN_TIMEOUT_S)
         if self.process.is_alive():  # it ignores SIGTERM (see core_proc.run): kill it
             self.process.kill()

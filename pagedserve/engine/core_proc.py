@@ -1,22 +1,22 @@
 """The engine-core process: an EngineCore behind two ZMQ sockets, stepping while it has work.
 
-Requests and outputs cross as msgpack arrays of plain data (token ids, counts, strings); the
-first item names the message:
+Requests and outputs cross as the msgspec structs of `pagedserve.messages`, encoded with its
+codec (msgpack; each message is an array whose first item is its tag, each struct the array of
+its fields in order):
 
-    server -> core (PUSH/PULL, "input"):
-        ["add", [[request_id, prompt_token_ids, params, sharing_group, fork_of], ...]]
-            params: the SamplingParams fields by name (`encode_sampling_params`), max_tokens
-                resolved
-        ["abort", [request_id, ...]]    free now; the caller has forgotten them
-        ["finish", [request_id, ...]]   a stop string matched: finish as FINISHED_STOPPED
-        ["shutdown"]
-    core -> server (PUSH/PULL, "output"):
-        ["outputs", [output, ...], stats, queue_times]   after each step or handled input
-            output: the EngineCoreOutput fields in order; a field holding a dataclass
-                (SampleLogprobsData, ...) is the list of that one's fields, or nil
-            stats: the SchedulerStats fields in order
-            queue_times: [[request_id, seconds from arrival to first scheduling], ...]
-        ["error", traceback_text]   the loop failed; the process exits right after
+    server -> core (PUSH/PULL, "input"), `messages.ToCore`:
+        AddRequests     ["add", [EngineCoreRequest, ...]]
+            EngineCoreRequest: request_id, prompt_token_ids, sampling_params (the
+                SamplingParams dataclass by field name, max_tokens resolved), sharing_group,
+                fork_of
+        AbortRequests   ["abort", [request_id, ...]]    free now; the caller has forgotten them
+        FinishRequests  ["finish", [request_id, ...]]   a stop string matched: FINISHED_STOPPED
+        Shutdown        ["shutdown"]
+    core -> server (PUSH/PULL, "output"), `messages.ToServer`:
+        EngineCoreOutputs   ["outputs", [EngineCoreOutput, ...], SchedulerStats, queue_times]
+            after each step or handled input; queue_times: [[request_id, seconds from arrival
+            to first scheduling], ...]
+        EngineCoreError     ["error", traceback_text]   the loop failed; the process exits
 
 Startup goes over a multiprocessing pipe, once: ("ready", num_blocks), ("invalid", message)
 for a ValueError (a bad option) or ("error", traceback text).
@@ -25,79 +25,30 @@ The core binds "input" and the server connects to it once the core is ready; the
 "shutdown", when its parent process is gone (checked while idle), or on an error.
 """
 
-import dataclasses
 import logging
 import os
 import signal
 import time
 import traceback
-import typing
 from typing import Any
 
-import msgpack
-
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
-from pagedserve.scheduler import EngineCoreOutput
+from pagedserve.messages import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreError,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishRequests,
+    Shutdown,
+    ToCore,
+    ToServer,
+    decode_to_core,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
-
-
-def encode_sampling_params(params: SamplingParams) -> dict[str, Any]:
-    values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-    values["output_kind"] = params.output_kind.value
-    values["eos_token_ids"] = list(params.eos_token_ids)
-    return values
-
-
-def decode_sampling_params(values: dict[str, Any]) -> SamplingParams:
-    values = dict(values)
-    values["output_kind"] = RequestOutputKind(values["output_kind"])
-    values["eos_token_ids"] = tuple(values["eos_token_ids"])
-    return SamplingParams(**values)
-
-
-def encode_output(output: EngineCoreOutput) -> list[Any]:
-    """The fields in order; nested dataclasses (logprobs data) as lists of their fields."""
-    return [_plain(getattr(output, f.name)) for f in dataclasses.fields(output)]
-
-
-def decode_output(values: list[Any]) -> EngineCoreOutput:
-    kwargs = {}
-    for f, value in zip(dataclasses.fields(EngineCoreOutput), values, strict=True):
-        nested = _NESTED_TYPES.get(f.name)
-        kwargs[f.name] = nested(*value) if nested is not None and value is not None else value
-    return EngineCoreOutput(**kwargs)
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [getattr(value, f.name) for f in dataclasses.fields(value)]
-    return value
-
-
-def _nested_types() -> dict[str, Any]:
-    """Field name -> dataclass, for the fields of EngineCoreOutput that hold one."""
-    nested = {}
-    for name, hint in typing.get_type_hints(EngineCoreOutput).items():
-        for arg in typing.get_args(hint) or (hint,):
-            if dataclasses.is_dataclass(arg):
-                nested[name] = arg
-    return nested
-
-
-_NESTED_TYPES = _nested_types()
-
-
-def pack(message: list[Any]) -> bytes:
-    data: bytes = msgpack.packb(message, use_bin_type=True)
-    return data
-
-
-def unpack(data: bytes) -> list[Any]:
-    message: list[Any] = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    return message
 
 
 def run_engine_core(
@@ -161,7 +112,7 @@ class _CoreLoop:
                     self._step()
         except BaseException:
             logger.exception("the engine core loop failed")
-            self._send(["error", traceback.format_exc()])
+            self._send(EngineCoreError(traceback.format_exc()))
             raise SystemExit(1) from None
         finally:
             self.core.shutdown()
@@ -183,43 +134,41 @@ class _CoreLoop:
                 if busy:
                     return handled
                 continue
-            self._handle(unpack(self.input.recv()))
+            self._handle(decode_to_core(self.input.recv()))
             handled = True
         return handled
 
-    def _handle(self, message: list[Any]) -> None:
+    def _handle(self, message: ToCore) -> None:
         from pagedserve.request import Request, RequestStatus
 
-        kind = message[0]
-        if kind == "add":
-            now = time.monotonic()
-            for request_id, prompt_token_ids, params, group, fork_of in message[1]:
-                request = Request(
-                    request_id,
-                    prompt_token_ids,
-                    decode_sampling_params(params),
-                    now,
-                    sharing_group=group,
-                    fork_of=fork_of,
-                )
-                try:
-                    self.core.add_request(request)
-                except ValueError as e:  # the server checks first; never let one request kill us
-                    logger.error("rejected request %s: %s", request_id, e)
-                    self.rejected.append(EngineCoreOutput(request_id, [], None, "abort", None, 0))
-                    continue
-                self.unscheduled[request_id] = now
-        elif kind in ("abort", "finish"):
-            for request_id in message[1]:
-                self.unscheduled.pop(request_id, None)
-            if kind == "abort":
-                self.core.abort_requests(message[1])
-            else:
-                self.core.finish_requests(message[1], RequestStatus.FINISHED_STOPPED)
-        elif kind == "shutdown":
-            self.running = False
-        else:
-            raise ValueError(f"unknown message kind {kind!r}")
+        match message:
+            case AddRequests(requests):
+                now = time.monotonic()
+                for r in requests:
+                    request = Request(
+                        r.request_id,
+                        r.prompt_token_ids,
+                        r.sampling_params,
+                        now,
+                        sharing_group=r.sharing_group,
+                        fork_of=r.fork_of,
+                    )
+                    try:
+                        self.core.add_request(request)
+                    except ValueError as e:  # the server checks first; never let one kill us
+                        logger.error("rejected request %s: %s", r.request_id, e)
+                        self.rejected.append(EngineCoreOutput(r.request_id, [], None, "abort"))
+                        continue
+                    self.unscheduled[r.request_id] = now
+            case AbortRequests(request_ids) | FinishRequests(request_ids):
+                for request_id in request_ids:
+                    self.unscheduled.pop(request_id, None)
+                if isinstance(message, AbortRequests):
+                    self.core.abort_requests(request_ids)
+                else:
+                    self.core.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+            case Shutdown():
+                self.running = False
 
     def _step(self) -> None:
         from pagedserve.request import RequestStatus
@@ -233,17 +182,16 @@ class _CoreLoop:
         for request_id, arrival in list(self.unscheduled.items()):
             request = requests.get(request_id)
             if request is None or request.status != RequestStatus.WAITING:
-                queue_times.append([request_id, start - arrival])
+                queue_times.append((request_id, start - arrival))
                 del self.unscheduled[request_id]
-        stats = dataclasses.astuple(self.core.stats())
-        self._send(["outputs", [encode_output(o) for o in outputs], list(stats), queue_times])
+        self._send(EngineCoreOutputs(outputs, self.core.stats(), queue_times))
 
-    def _send(self, message: list[Any]) -> None:
+    def _send(self, message: ToServer) -> None:
         """Send without ever blocking for good: a PUSH socket whose peer is gone would wait
         forever, so retry only while the API server process is alive."""
         import zmq
 
-        data = pack(message)
+        data = encode(message)
         while True:
             try:
                 self.output.send(data, flags=zmq.NOBLOCK)

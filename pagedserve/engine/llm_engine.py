@@ -5,10 +5,10 @@ from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.core import EngineCore, check_fits_cache
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.errors import InvalidRequestError
+from pagedserve.kv_cache.manager import check_fits_cache
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
@@ -157,6 +157,10 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        # Imported here: AsyncLLMEngine in the API server's process uses this module's helpers
+        # (build_processors, register_request) and must not load the model code.
+        from pagedserve.engine.core import EngineCore
+
         self.config = config
         self.tokenizer, self.input_processor, self.output_processor = build_processors(config)
         self.engine_core = EngineCore(config)

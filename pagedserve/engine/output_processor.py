@@ -5,6 +5,7 @@ from typing import Any
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.logprob_text import LogprobDetokenizer, logprob_entry
+from pagedserve.messages import EngineCoreOutput, PromptLogprobsData
 from pagedserve.outputs import (
     CompletionOutput,
     PromptLogprobs,
@@ -12,8 +13,6 @@ from pagedserve.outputs import (
     SampleLogprobs,
 )
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
-from pagedserve.scheduler import EngineCoreOutput
-from pagedserve.step import PromptLogprobsData
 
 
 @dataclass(slots=True)

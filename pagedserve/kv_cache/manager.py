@@ -1,5 +1,6 @@
 """KVCacheManager: block tables of requests, prefix-cache lookups, allocation and freeing."""
 
+from pagedserve.errors import InvalidRequestError
 from pagedserve.kv_cache.block_hash import BlockHash, hash_request_blocks
 from pagedserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagedserve.request import Request
@@ -7,6 +8,21 @@ from pagedserve.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def check_fits_cache(
+    num_prompt_tokens: int, max_tokens: int, num_blocks: int, block_size: int
+) -> None:
+    """Raise InvalidRequestError when a request could never fit a cache of `num_blocks` blocks.
+    Here, beside the cache, so that the API server's process checks before it sends the
+    request without importing the engine core (and its model code)."""
+    num_tokens = num_prompt_tokens + max_tokens
+    if cdiv(num_tokens, block_size) > num_blocks:
+        raise InvalidRequestError(
+            f"the request needs up to {num_tokens} tokens of KV cache but the whole cache "
+            f"holds {num_blocks * block_size}; lower max_tokens or shorten the prompt",
+            "max_tokens",
+        )
 
 
 class KVCacheManager:

@@ -1,35 +1,43 @@
-"""Maps the `architectures` names of HF configs to our model classes."""
+"""Maps the `architectures` names of HF configs to our model classes.
 
+Imports no torch and no model module: the API server's process checks a model's architecture
+(`SUPPORTED_ARCHITECTURES`) without loading model code; `get_model_class` imports the one
+module it returns a class of (vLLM's registry is lazy the same way).
+"""
+
+import importlib
 from types import MappingProxyType
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from pagedserve.errors import UnsupportedModelError
-from pagedserve.models.gpt2 import GPT2LMHeadModel
-from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
-from pagedserve.models.qwen2 import Qwen2ForCausalLM
-from pagedserve.models.qwen3 import Qwen3ForCausalLM
 
-_MODEL_CLASSES: MappingProxyType[str, type[nn.Module]] = MappingProxyType(
+if TYPE_CHECKING:
+    from torch import nn
+
+# architecture -> (module under pagedserve.models, class name)
+_MODELS: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
     {
-        "LlamaForCausalLM": LlamaForCausalLM,
-        "MistralForCausalLM": MistralForCausalLM,
-        "Qwen2ForCausalLM": Qwen2ForCausalLM,
-        "Qwen3ForCausalLM": Qwen3ForCausalLM,
-        "GPT2LMHeadModel": GPT2LMHeadModel,
+        "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+        "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+        "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+        "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+        "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     }
 )
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODEL_CLASSES))
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
 
 
-def get_model_class(architectures: list[str]) -> type[nn.Module]:
+def get_model_class(architectures: list[str]) -> "type[nn.Module]":
     """The class of the first supported name in an HF config's `architectures` list.
 
     Raises UnsupportedModelError listing the supported architectures when none matches.
     """
     for architecture in architectures:
-        if architecture in _MODEL_CLASSES:
-            return _MODEL_CLASSES[architecture]
+        if architecture in _MODELS:
+            module_name, class_name = _MODELS[architecture]
+            module = importlib.import_module(f"pagedserve.models.{module_name}")
+            model_class: type[nn.Module] = getattr(module, class_name)
+            return model_class
     raise UnsupportedModelError(
         f"model architectures {architectures} are not supported; supported architectures: "
         f"{', '.join(SUPPORTED_ARCHITECTURES)}"

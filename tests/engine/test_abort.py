@@ -10,8 +10,8 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.errors import EngineDeadError, ServerShuttingDownError
+from pagedserve.messages import EngineCoreOutput
 from pagedserve.outputs import RequestOutput
-from pagedserve.scheduler import EngineCoreOutput
 from tests.engine.test_async_engine import run_with_engine, wait_idle
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

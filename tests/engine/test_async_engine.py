@@ -1,4 +1,4 @@
-"""AsyncLLMEngine on its own (engine core in a child process), and the IPC message codec."""
+"""AsyncLLMEngine on its own (engine core in a child process); the codec: test_messages.py."""
 
 import asyncio
 import dataclasses
@@ -9,38 +9,10 @@ import pytest
 from pagedserve import LLM, RequestOutputKind, SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
-from pagedserve.engine.core_proc import (
-    decode_output,
-    decode_sampling_params,
-    encode_output,
-    encode_sampling_params,
-    pack,
-    unpack,
-)
 from pagedserve.errors import InvalidRequestError
-from pagedserve.scheduler import EngineCoreOutput
-from pagedserve.step import SampleLogprobsData
 
 PROMPTS = ["Once upon a time", "Lily and Ben", "The cat"]
 ENGINE_ARGS = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=8 * 2**20)
-
-
-def test_sampling_params_survive_the_wire() -> None:
-    params = SamplingParams(
-        n=2, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=["a", "bc"], stop_token_ids=[7],
-        max_tokens=9, logprobs=2, output_kind=RequestOutputKind.DELTA, eos_token_ids=(1, 2),
-    )  # fmt: skip
-    assert decode_sampling_params(unpack(pack([encode_sampling_params(params)]))[0]) == params
-
-
-def test_core_outputs_survive_the_wire() -> None:
-    logprobs = SampleLogprobsData([5, 1, 2], [-0.1, -0.05, -3.0], 2)
-    for output in (
-        EngineCoreOutput("r", [5], logprobs, "stop", 7, 16),
-        EngineCoreOutput("0_r", [9], None, None, None, 0),
-        EngineCoreOutput("r2", [3], None, "stop", "the end", 0),
-    ):
-        assert decode_output(unpack(pack(encode_output(output)))) == output
 
 
 @pytest.fixture(scope="module")

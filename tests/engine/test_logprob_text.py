@@ -9,10 +9,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from pagedserve.engine.logprob_text import LogprobBytes, LogprobDetokenizer, first_token_text
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.entrypoints.openai.serving_logprobs import chat_logprobs, completion_logprobs
+from pagedserve.messages import EngineCoreOutput, PromptLogprobsData, SampleLogprobsData
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
-from pagedserve.scheduler import EngineCoreOutput
-from pagedserve.step import PromptLogprobsData, SampleLogprobsData
 
 _SHARED = Path(__file__).resolve().parents[3] / "shared"
 TOKENIZERS = {
