@@ -1,13 +1,11 @@
-"""Parallel sampling (`n`): the fork/copy-on-write path against prefix-cache sharing alone.
+"""Parallel sampling (`n`): throughput and the prompt tokens the model computes.
 
-Issue 14 item 2. Both mechanisms run in one engine, alternating, on the same prompts:
-
-  fork    today's engine: child 0 computes the prompt, the other children wait for it and
-          fork its block table (every block shared by reference count, the partly filled last
-          block copied on first write) and sample their first token from its logits.
-  prefix  vLLM's way: the n children are plain requests; they share the prompt's full blocks
-          through the prefix cache (hashed as soon as child 0's tokens are scheduled) and each
-          recomputes the partly filled last block and its own last-token logits.
+The n sequences of a request are n engine-core requests of one sharing group; they share the
+prompt's full blocks through the prefix cache (hashed as soon as the first sequence's tokens
+are scheduled, so the others hit them in the same step), and each computes the partly filled
+last block and its own last-token logits, as in vLLM. Issue 14 compared this with the
+fork/copy-on-write path that it replaced (`git show cab5bad:benchmarks/parallel_sampling.py`
+runs both): see BENCHMARKS.md.
 
 Random token prompts, temperature 1, `ignore_eos`. Prints a table (seconds, output tokens/s,
 prompt tokens the model computed, preemptions) and one JSON line per run.
@@ -29,25 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_commit  # noqa: E402
 from benchmarks.presets import PRESETS, materialize  # noqa: E402
-
-
-def use_mechanism(mechanism: str) -> None:
-    """Make new requests' children fork ("fork", the engine's default) or not ("prefix")."""
-    import pagedserve.engine.llm_engine as llm_engine
-
-    original = getattr(llm_engine, "_original_child_requests", llm_engine.child_requests)
-    llm_engine._original_child_requests = original  # type: ignore[attr-defined]
-    if mechanism == "fork":
-        llm_engine.child_requests = original
-        return
-
-    def without_fork(*args: Any, **kwargs: Any) -> Any:
-        children = original(*args, **kwargs)
-        for child in children:
-            child.fork_of = None
-        return children
-
-    llm_engine.child_requests = without_fork
 
 
 def run_once(llm: Any, prompts: list, n: int, output_len: int, seed: int) -> dict:
@@ -82,7 +61,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per mechanism")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per n")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -91,7 +70,7 @@ def main() -> None:
     parser.add_argument("--no-enable-prefix-caching", action="store_true")
     args = parser.parse_args()
 
-    from pagedserve import LLM
+    from pagedserve import LLM, SamplingParams
 
     model = materialize(args.preset, Path(tempfile.mkdtemp()))
     kwargs: dict[str, Any] = dict(
@@ -113,34 +92,22 @@ def main() -> None:
         f"{args.preset} {args.num_prompts} prompts x {args.input_len} tokens -> n x "
         f"{args.output_len}; {llm.llm_engine.engine_core.num_blocks} KV blocks; {git_commit()}"
     )
-    print(
-        f"{'n':>3} {'mechanism':>9} {'seconds':>8} {'out tok/s':>10} {'prompt computed':>16} "
-        f"{'preempt':>8}"
-    )
+    print(f"{'n':>3} {'seconds':>8} {'out tok/s':>10} {'prompt computed':>16} {'preempt':>8}")
     for n in args.n:
-        use_mechanism("fork")  # warm-up (graphs, caches) at this n
         warm = [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(8)]}]
-        llm.generate(warm, use_tqdm=False)
+        llm.generate(warm, SamplingParams(n=n), use_tqdm=False)  # warm-up at this n
         for repeat in range(args.repeats):
-            for mechanism in ("fork", "prefix") if repeat % 2 == 0 else ("prefix", "fork"):
-                use_mechanism(mechanism)
-                # Fresh prompts every run: no run hits another's prefix cache.
-                prompts = [
-                    {
-                        "prompt_token_ids": [
-                            rng.randrange(10, vocab - 10) for _ in range(args.input_len)
-                        ]
-                    }
-                    for _ in range(args.num_prompts)
-                ]
-                result = run_once(llm, prompts, n, args.output_len, seed=repeat)
-                print(
-                    f"{n:>3} {mechanism:>9} {result['seconds']:>8.2f} "
-                    f"{result['output_tok_s']:>10.0f} {result['prompt_tokens_computed']:>16} "
-                    f"{result['preemptions']:>8}"
-                )
-                print(json.dumps({"n": n, "mechanism": mechanism, "repeat": repeat, **result}))
-    use_mechanism("fork")
+            # Fresh prompts every run: no run hits another's prefix cache.
+            prompts = [
+                {"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(args.input_len)]}
+                for _ in range(args.num_prompts)
+            ]
+            result = run_once(llm, prompts, n, args.output_len, seed=repeat)
+            print(
+                f"{n:>3} {result['seconds']:>8.2f} {result['output_tok_s']:>10.0f} "
+                f"{result['prompt_tokens_computed']:>16} {result['preemptions']:>8}"
+            )
+            print(json.dumps({"n": n, "repeat": repeat, **result}))
     llm.llm_engine.shutdown()
 
 

@@ -52,12 +52,8 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         sharing_group: str | None = None,
-        fork_of: str | None = None,
     ) -> None:
         self.request_id = request_id
-        # A sibling that starts as a copy of request `fork_of` once that one's prompt is
-        # computed (parallel sampling); it runs as a plain request if that cannot happen.
-        self.fork_of = fork_of
         # The user request this one is a sequence of (n > 1): siblings share prompt blocks
         # even with prefix caching off.
         self.sharing_group = sharing_group

@@ -52,8 +52,6 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell the workers at the next step
         self.num_preemptions_total = 0
         self.num_scheduled_tokens_total = 0  # tokens fed to the model (prefix hits excluded)
-        # Parallel sampling: siblings waiting for their leader's prompt (leader id -> them).
-        self.pending_forks: dict[str, list[Request]] = {}
         # Unfinished requests whose sampling reads their past output tokens on the host
         # (penalties, bad words): async scheduling waits for each step while there are any.
         self._num_needing_tokens = 0
@@ -82,12 +80,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self._num_needing_tokens += _needs_output_tokens(request)
-        leader = self.requests.get(request.fork_of) if request.fork_of else None
-        # Siblings fork at the step where the leader's prompt ends: not yet launched.
-        if leader is not None and leader.num_output_tokens + leader.num_output_placeholders == 0:
-            self.pending_forks.setdefault(leader.request_id, []).append(request)
-        else:
-            self.waiting.append(request)
+        self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string); frees their blocks."""
@@ -98,8 +91,6 @@ class Scheduler:
                 continue  # already finished
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request in self.pending_forks.get(request.fork_of or "", []):
-                self.pending_forks[request.fork_of or ""].remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -126,7 +117,6 @@ class Scheduler:
             )
             if sample:
                 request.num_output_placeholders += 1
-            forks = self._fork_siblings(request, plan) if sample else ()
             scheduled_requests.append(
                 ScheduledRequest(
                     request_id=request.request_id,
@@ -134,8 +124,6 @@ class Scheduler:
                     num_computed_tokens=start,
                     new_block_ids=new_block_ids,
                     sample=sample,
-                    fork_request_ids=forks,
-                    block_copy=self.kv_cache.take_block_copy(request),
                 )
             )
         finished_ids, self._finished_ids = self._finished_ids, set()
@@ -145,9 +133,6 @@ class Scheduler:
             # Which Request objects this step is for: a request id may be reused by a new
             # request while the step is in flight (after an abort or a stop string).
             step_requests = {r.request_id: r for r, _, _ in plan.scheduled}
-            for scheduled in scheduled_requests:
-                for sibling_id in scheduled.fork_request_ids:
-                    step_requests[sibling_id] = self.requests[sibling_id]
             self._launched[id(output)] = (output, step_requests)
             while len(self._launched) > _MAX_LAUNCHED:  # outputs never applied (a failed step)
                 del self._launched[next(iter(self._launched))]
@@ -203,37 +188,6 @@ class Scheduler:
                 )
             )
             plan.add(request, num_new_tokens, new_block_ids)
-
-    def _fork_siblings(self, leader: Request, plan: _StepPlan) -> tuple[str, ...]:
-        """Start the siblings waiting for `leader`, whose prompt ends in this step: they take
-        its block table (shared by reference count) and sample their first token from its
-        logits. Without room in `max_num_seqs` they run as plain requests instead."""
-        siblings = self.pending_forks.pop(leader.request_id, [])
-        # The leader's first sample is the one this step adds (placeholders counts it).
-        if not siblings or leader.num_output_tokens + leader.num_output_placeholders > 1:
-            self.waiting.extend(siblings)
-            return ()
-        if len(self.running) + len(siblings) > self.config.max_num_seqs:
-            self.waiting.extend(siblings)
-            return ()
-        for sibling in siblings:
-            # Requests forked from a sibling have no step of their own to fork at.
-            self.waiting.extend(self.pending_forks.pop(sibling.request_id, []))
-            self.kv_cache.fork(leader, sibling)
-            sibling.num_computed_tokens = leader.num_computed_tokens
-            sibling.num_output_placeholders = 1  # samples in this step, from the leader's row
-            sibling.num_cached_tokens = max(leader.num_cached_tokens, 0)
-            sibling.status = RequestStatus.RUNNING
-            self.running.append(sibling)
-            plan.new_requests.append(
-                NewRequestData(
-                    sibling.request_id,
-                    sibling.num_prompt_tokens,
-                    sibling.sampling_params,
-                    sibling.prompt_token_ids,
-                )
-            )
-        return tuple(sibling.request_id for sibling in siblings)
 
     def _ends_in_flight(self, request: Request) -> bool:
         """The token the step in flight samples for `request` is its last (length limits),
@@ -328,8 +282,6 @@ class Scheduler:
         request.num_output_placeholders = 0  # a token still in flight for it is dropped
         self._num_needing_tokens -= _needs_output_tokens(request)
         self._finished_ids.add(request.request_id)
-        # Siblings still waiting for this request compute their own prompt instead.
-        self.waiting.extend(self.pending_forks.pop(request.request_id, []))
 
 
 _MAX_LAUNCHED = 8  # steps in flight are at most 2; older entries belong to failed steps

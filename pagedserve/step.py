@@ -47,13 +47,6 @@ class ScheduledRequest:
     num_computed_tokens: int  # before this step
     new_block_ids: list[int]
     sample: bool
-    # Parallel sampling: sibling requests that start now as copies of this one (its prompt
-    # ends this step); each samples its own first token from this request's last logits and
-    # takes this request's block table.
-    fork_request_ids: tuple[str, ...] = ()
-    # Copy-on-write: (logical block index, source block id, new block id). Before the step,
-    # the worker copies the source block into the new one and puts it in the block table.
-    block_copy: tuple[int, int, int] | None = None
 
     @property
     def num_new_tokens(self) -> int:

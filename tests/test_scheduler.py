@@ -42,12 +42,7 @@ def make_request(
 
 def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
     out = scheduler.schedule()
-    sampled = [
-        request_id
-        for r in out.scheduled_requests
-        if r.sample
-        for request_id in (r.request_id, *r.fork_request_ids)
-    ]
+    sampled = [r.request_id for r in out.scheduled_requests if r.sample]
     runner = ModelRunnerOutput(sampled, [token] * len(sampled), [None] * len(sampled))
     scheduler.update_from_output(out, runner)
     return out
@@ -178,12 +173,7 @@ class FakeModel:
                     assert i == r.num_new_tokens - 1, "only the newest token can be in flight"
                     token = self.last_sampled[r.request_id]
                 fed[r.num_computed_tokens + i] = token
-        sampled = [
-            request_id
-            for r in out.scheduled_requests
-            if r.sample
-            for request_id in (r.request_id, *r.fork_request_ids)
-        ]
+        sampled = [r.request_id for r in out.scheduled_requests if r.sample]
         tokens = [self.rng.randrange(low, 100) for _ in sampled]
         self.last_sampled = dict(zip(sampled, tokens, strict=True))
         return ModelRunnerOutput(sampled, tokens, [None] * len(sampled))
@@ -245,19 +235,13 @@ def test_random_operations_keep_invariants(
             if len(prompt) + max_tokens <= max_model_len:
                 params = SamplingParams(max_tokens=max_tokens, eos_token_ids=(0,))
                 group = rng.choice([None, "g1", "g2"])  # siblings share with caching off too
-                # Some requests fork from an earlier one (parallel sampling's siblings).
+                # Some repeat an earlier one's prompt in its group (parallel sampling's siblings).
                 leader = rng.choice(requests) if requests and rng.random() < 0.3 else None
                 if leader is not None:
-                    prompt = list(leader.prompt_token_ids)
+                    prompt, group = list(leader.prompt_token_ids), leader.sharing_group
                     if len(prompt) + max_tokens > max_model_len:
                         continue
-                request = Request(
-                    f"r{op}",
-                    prompt,
-                    params,
-                    sharing_group=group,
-                    fork_of=leader.request_id if leader is not None else None,
-                )
+                request = Request(f"r{op}", prompt, params, sharing_group=group)
                 scheduler.add_request(request)
                 requests.append(request)
         elif choice < 0.4 and requests:

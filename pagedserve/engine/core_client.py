@@ -129,7 +129,6 @@ class EngineCoreClient:
                         r.prompt_token_ids,
                         r.sampling_params,
                         r.sharing_group,
-                        r.fork_of,
                     )
                     for r in requests
                 ]

@@ -7,8 +7,7 @@ its fields in order):
     server -> core (PUSH/PULL, "input"), `messages.ToCore`:
         AddRequests     ["add", [EngineCoreRequest, ...]]
             EngineCoreRequest: request_id, prompt_token_ids, sampling_params (the
-                SamplingParams dataclass by field name, max_tokens resolved), sharing_group,
-                fork_of
+                SamplingParams dataclass by field name, max_tokens resolved), sharing_group
         AbortRequests   ["abort", [request_id, ...]]    free now; the caller has forgotten them
         FinishRequests  ["finish", [request_id, ...]]   a stop string matched: FINISHED_STOPPED
         Shutdown        ["shutdown"]
@@ -151,7 +150,6 @@ class _CoreLoop:
                         r.sampling_params,
                         now,
                         sharing_group=r.sharing_group,
-                        fork_of=r.fork_of,
                     )
                     try:
                         self.core.add_request(request)

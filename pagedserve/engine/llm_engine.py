@@ -90,7 +90,6 @@ def child_requests(
                 child_params,
                 arrival_time,
                 sharing_group=request_id,
-                fork_of=None if i == 0 else f"0_{request_id}",
             )
         )
     return children

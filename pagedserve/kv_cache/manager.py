@@ -44,7 +44,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already in the index
-        self.pending_copies: dict[str, tuple[int, int, int]] = {}  # see take_block_copy
         # Counters for metrics: prefix-cache queries and hits, in tokens (record_prefix_query).
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -100,12 +99,6 @@ class KVCacheManager:
         """
         hits = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        if self._needs_copy_on_write(request, blocks):
-            if self.block_pool.num_free_blocks < 1 + self._num_blocks_to_grow(
-                request, blocks, num_new_tokens
-            ):
-                return None
-            self._copy_last_block(request, blocks)
         if not hits:  # fast path of a decode: usually no new block and nothing to cache
             num_tokens_after = request.num_computed_tokens + num_new_tokens
             if num_tokens_after <= len(blocks) * self.block_size:
@@ -132,47 +125,6 @@ class KVCacheManager:
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return [block.block_id for block in hits + new_blocks]
 
-    def fork(self, source: Request, sibling: Request) -> None:
-        """Give `sibling` the same block table as `source` (same tokens so far), sharing every
-        block by reference count; a shared partly filled block is copied on its first write."""
-        blocks = self.req_to_blocks[source.request_id]
-        self.block_pool.touch(blocks)
-        self.req_to_blocks[sibling.request_id] = list(blocks)
-        self.num_cached_blocks[sibling.request_id] = self.num_cached_blocks.get(
-            source.request_id, 0
-        )
-        self.req_to_block_hashes[sibling.request_id] = list(
-            self.req_to_block_hashes.get(source.request_id, [])
-        )
-
-    def take_block_copy(self, request: Request) -> tuple[int, int, int] | None:
-        """The copy-on-write that the last `allocate_slots` of this request decided, if any:
-        (logical block index, source block id, new block id). The worker must do it."""
-        return self.pending_copies.pop(request.request_id, None)
-
-    def _needs_copy_on_write(self, request: Request, blocks: list[KVCacheBlock]) -> bool:
-        """The next token lands in the last block, which is partly filled and shared."""
-        return (
-            bool(blocks)
-            and request.num_computed_tokens % self.block_size != 0
-            and request.num_computed_tokens < len(blocks) * self.block_size
-            and blocks[request.num_computed_tokens // self.block_size].ref_cnt > 1
-        )
-
-    def _num_blocks_to_grow(
-        self, request: Request, blocks: list[KVCacheBlock], num_new_tokens: int
-    ) -> int:
-        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(num_needed - len(blocks), 0)
-
-    def _copy_last_block(self, request: Request, blocks: list[KVCacheBlock]) -> None:
-        index = request.num_computed_tokens // self.block_size
-        shared = blocks[index]
-        (copy,) = self.block_pool.allocate(1)
-        self.block_pool.free([shared])
-        blocks[index] = copy
-        self.pending_copies[request.request_id] = (index, shared.block_id, copy.block_id)
-
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so the tail is evicted first), indexing
         first the computed blocks whose tokens are all known by now: with async scheduling
@@ -185,7 +137,6 @@ class KVCacheManager:
         self.block_pool.free(reversed(blocks))
         self.num_cached_blocks.pop(request.request_id, None)
         self.req_to_block_hashes.pop(request.request_id, None)
-        self.pending_copies.pop(request.request_id, None)
 
     def check_invariants(self) -> None:
         """See `BlockPool.check_invariants`; raises AssertionError on inconsistency."""

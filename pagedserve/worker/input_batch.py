@@ -72,13 +72,8 @@ def build_model_input(
         block_tables[req_indices, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
-    # A request whose prompt ends this step also samples for the siblings forked from it.
-    sampled_rows, sampled_request_ids = [], []
-    for i, r in enumerate(scheduled):
-        if r.sample:
-            for request_id in (r.request_id, *r.fork_request_ids):
-                sampled_rows.append(i)
-                sampled_request_ids.append(request_id)
+    sampled_rows = [i for i, r in enumerate(scheduled) if r.sample]
+    sampled_request_ids = [scheduled[i].request_id for i in sampled_rows]
     logits_indices = query_start_loc[1:][sampled_rows].astype(np.int64) - 1
 
     placeholders = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN_ID)

@@ -122,26 +122,9 @@ class ModelRunner:
             self.sampling_states.remove_request(request_id)
         for new in scheduler_output.new_requests:
             self.states[new.request_id] = self._new_state(new)
-        copies: list[tuple[int, int]] = []
         for scheduled in scheduler_output.scheduled_requests:
-            block_ids = self.states[scheduled.request_id].block_ids
-            if scheduled.block_copy is not None:  # copy-on-write of a shared partial block
-                index, source, copy = scheduled.block_copy
-                block_ids[index] = copy
-                copies.append((source, copy))
-            block_ids.extend(scheduled.new_block_ids)
-            for sibling_id in scheduled.fork_request_ids:
-                self.states[sibling_id].block_ids = list(block_ids)
-        if copies:
-            self._copy_blocks(copies)
+            self.states[scheduled.request_id].block_ids.extend(scheduled.new_block_ids)
         self.sampling_states.record_fed_tokens(scheduler_output.scheduled_requests)
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks (K and V, every layer) from source to destination ids."""
-        sources = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.device)
-        destinations = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
-        for cache in self.kv_caches:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-            cache.index_copy_(1, destinations, cache.index_select(1, sources))
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         """A request resumed after preemption starts a new block table but keeps its sampling

@@ -72,7 +72,7 @@ def test_greedy_equals_sync_through_preemption_and_stops() -> None:
 
 
 def test_sampling_features_equal_sync() -> None:
-    """Seeded sampling, parallel sampling (forked siblings), logprobs, stop strings and
+    """Seeded sampling, parallel sampling, logprobs, stop strings and
     min_tokens run ahead; penalties and bad words make steps wait (no placeholders for
     them); every output equals the one-step-at-a-time engine's."""
     kinds = [

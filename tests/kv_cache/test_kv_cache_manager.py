@@ -139,39 +139,3 @@ def test_caching_disabled_never_hits() -> None:
     schedule(manager, a, 9)
     assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
     assert manager.block_pool.cached == {}
-
-
-def test_fork_shares_every_block_and_copies_the_partial_one_on_write() -> None:
-    manager = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
-    leader = make_request("leader", list(range(10)))  # blocks 0, 1 full; block 2 partial
-    assert schedule(manager, leader, 10) == [0, 1, 2]
-    sibling = make_request("sibling", list(range(10)))
-    sibling.num_computed_tokens = 10
-    manager.fork(leader, sibling)
-    assert [b.ref_cnt for b in manager.block_pool.blocks[:3]] == [2, 2, 2]
-    manager.check_invariants()
-    for request in (leader, sibling):
-        request.append_output_token_ids([50])
-    assert schedule(manager, leader, 1) == []  # writes into shared block 2: copy first
-    assert manager.take_block_copy(leader) == (2, 2, 3)
-    assert manager.block_ids("leader") == [0, 1, 3]
-    assert schedule(manager, sibling, 1) == []  # block 2 is its own now: no copy
-    assert manager.take_block_copy(sibling) is None
-    assert manager.block_ids("sibling") == [0, 1, 2]
-    manager.check_invariants()
-    manager.free(leader)
-    manager.free(sibling)
-    assert manager.num_free_blocks == 8
-
-
-def test_copy_on_write_needs_a_free_block() -> None:
-    manager = KVCacheManager(num_blocks=3, block_size=4, enable_caching=False)
-    leader = make_request("leader", list(range(10)))
-    schedule(manager, leader, 10)
-    sibling = make_request("sibling", list(range(10)))
-    sibling.num_computed_tokens = 10
-    manager.fork(leader, sibling)
-    leader.append_output_token_ids([50])
-    assert manager.allocate_slots(leader, 1) is None  # no block for the copy
-    assert manager.take_block_copy(leader) is None
-    manager.check_invariants()
