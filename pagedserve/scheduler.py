@@ -127,8 +127,8 @@ class Scheduler:
                 )
             )
         finished_ids, self._finished_ids = self._finished_ids, set()
-        self.num_scheduled_tokens_total += sum(n for _, n, _ in plan.scheduled)
         output = SchedulerOutput(plan.new_requests, scheduled_requests, finished_ids)
+        self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         if scheduled_requests:
             # Which Request objects this step is for: a request id may be reused by a new
             # request while the step is in flight (after an abort or a stop string).

@@ -62,7 +62,13 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)  # drop their worker state
 
     @property
-    def num_scheduled_tokens(self) -> int:
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """Request id -> its new tokens this step (vLLM's `num_scheduled_tokens`)."""
+        return {r.request_id: r.num_new_tokens for r in self.scheduled_requests}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """The step's size: the tokens fed to the model."""
         return sum(r.num_new_tokens for r in self.scheduled_requests)
 
     @property

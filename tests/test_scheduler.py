@@ -60,6 +60,8 @@ def test_prefill_and_decode_share_a_step() -> None:
         ("b", 6),
     ]
     assert second.scheduled_requests[0].token_ids == [7]  # a's sampled token fed back
+    assert second.num_scheduled_tokens == {"a": 1, "b": 6}  # per request, as in vLLM
+    assert second.total_num_scheduled_tokens == 7
 
 
 def test_long_prompt_is_chunked_and_decodes_go_first() -> None:

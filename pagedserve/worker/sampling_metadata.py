@@ -13,7 +13,7 @@ from pagedserve.worker.penalties import TokenCountTable
 _NEG_INF = float("-inf")
 _T = TypeVar("_T")
 
-# Columns of the per-slot tables (one slot per live request, rows written once at admission).
+# Columns of the per-request tables (row `req_index` per live request, written once at admission).
 _TEMPERATURE, _TOP_P, _MIN_P, _REPETITION, _PRESENCE, _FREQUENCY = range(6)
 _TOP_K, _SEED, _MIN_TOKENS, _NUM_PROMPT_TOKENS, _NUM_LOGPROBS = range(5)
 _GREEDY, _SEEDED, _PENALIZED, _BIASED, _RESTRICTED, _BAD_WORDS, _STOPPABLE = range(7)
@@ -90,7 +90,7 @@ class SamplingMetadata:
 class _RequestRecord:
     """Sampling state of one request that does not fit a fixed-width table row."""
 
-    slot: int
+    req_index: int
     num_seen_tokens: int  # tokens at positions below this are counted (prompt: at admission)
     penalty_row: int | None  # row in the TokenCountTable
     bias_token_ids: torch.Tensor | None  # [num_biased] int64, CPU
@@ -109,7 +109,7 @@ class _RequestRecord:
 class SamplingStateManager:
     """Keeps what sampling needs about every live request, and builds each step's metadata.
 
-    Scalars sit in fixed-width numpy tables, one slot per request, written once at admission;
+    Scalars sit in fixed-width numpy tables, row `req_index` per request, written once at admission;
     a step gathers its rows with one fancy index and decides on the host which optional parts
     to build, so the device never has to report back. Only requests that use logit_bias,
     allowed_token_ids, bad words or min_tokens cost any per-row Python. Token counts for
@@ -125,7 +125,7 @@ class SamplingStateManager:
         self._floats = np.zeros((0, 6), np.float32)
         self._ints = np.zeros((0, 5), np.int64)
         self._flags = np.zeros((0, 7), np.bool_)
-        self._free_slots: list[int] = []
+        self._free_req_indices: list[int] = []
 
     def add_request(
         self, request_id: str, params: SamplingParams, prompt_token_ids: list[int]
@@ -133,9 +133,9 @@ class SamplingStateManager:
         """Register a request; a known one (resumed after preemption) keeps its state."""
         if request_id in self.records:
             return
-        slot = self._take_slot()
+        req_index = self._take_req_index()
         greedy = params.is_greedy
-        self._floats[slot] = (
+        self._floats[req_index] = (
             1.0 if greedy else params.temperature,
             params.top_p,
             params.min_p,
@@ -144,15 +144,15 @@ class SamplingStateManager:
             params.frequency_penalty,
         )
         num_logprobs = -1 if params.logprobs is None else params.logprobs
-        self._ints[slot] = (
+        self._ints[req_index] = (
             params.top_k or self.vocab_size,
             params.seed or 0,
             params.min_tokens,
             len(prompt_token_ids),
             num_logprobs,
         )
-        record = self._new_record(slot, params, prompt_token_ids)
-        self._flags[slot] = (
+        record = self._new_record(req_index, params, prompt_token_ids)
+        self._flags[req_index] = (
             greedy,
             params.seed is not None,
             record.penalty_row is not None,
@@ -165,7 +165,7 @@ class SamplingStateManager:
         self.num_prompt_logprob_requests += record.wants_prompt_logprobs
 
     def _new_record(
-        self, slot: int, params: SamplingParams, prompt_token_ids: list[int]
+        self, req_index: int, params: SamplingParams, prompt_token_ids: list[int]
     ) -> _RequestRecord:
         def ids(values: list[int] | set[int]) -> torch.Tensor:
             return torch.tensor(sorted(values), dtype=torch.int64)
@@ -174,7 +174,7 @@ class SamplingStateManager:
         stop_ids = {t for t in params.all_stop_token_ids if t < self.vocab_size}
         bad_words = list(params.bad_words_token_ids or [])
         return _RequestRecord(
-            slot=slot,
+            req_index=req_index,
             num_seen_tokens=len(prompt_token_ids),
             penalty_row=self.token_counts.add(prompt_token_ids) if params.uses_penalties else None,
             bias_token_ids=torch.tensor(list(bias), dtype=torch.int64) if bias else None,
@@ -192,7 +192,7 @@ class SamplingStateManager:
             return
         if record.penalty_row is not None:
             self.token_counts.free(record.penalty_row)
-        self._free_slots.append(record.slot)
+        self._free_req_indices.append(record.req_index)
         self.num_prompt_logprob_requests -= record.wants_prompt_logprobs
 
     def record_fed_tokens(self, scheduled_requests: list[ScheduledRequest]) -> None:
@@ -229,8 +229,12 @@ class SamplingStateManager:
         """Metadata for sampling `request_ids` (batch order) whose sequences now have
         `seq_lens` tokens (the token sampled now goes to position seq_len)."""
         records = [self.records[r] for r in request_ids]
-        slots = np.fromiter((r.slot for r in records), np.int64, len(records))
-        floats, ints, flags = self._floats[slots], self._ints[slots], self._flags[slots]
+        req_indices = np.fromiter((r.req_index for r in records), np.int64, len(records))
+        floats, ints, flags = (
+            self._floats[req_indices],
+            self._ints[req_indices],
+            self._flags[req_indices],
+        )
         greedy = flags[:, _GREEDY]
         random_rows = ~greedy
         num_logprobs = ints[:, _NUM_LOGPROBS]
@@ -345,15 +349,15 @@ class SamplingStateManager:
             frequency=values[:, 2],
         )
 
-    def _take_slot(self) -> int:
-        if not self._free_slots:
+    def _take_req_index(self) -> int:
+        if not self._free_req_indices:
             old = len(self._floats)
             new = max(2 * old, 16)
             self._floats = np.resize(self._floats, (new, 6))
             self._ints = np.resize(self._ints, (new, 5))
             self._flags = np.resize(self._flags, (new, 7))
-            self._free_slots.extend(range(new - 1, old - 1, -1))
-        return self._free_slots.pop()
+            self._free_req_indices.extend(range(new - 1, old - 1, -1))
+        return self._free_req_indices.pop()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
