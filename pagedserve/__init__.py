@@ -4,8 +4,7 @@ from typing import Any
 
 from pagedserve.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
-
-__version__ = "0.1.0"
+from pagedserve.version import __version__
 
 __all__ = [
     "LLM",

@@ -18,9 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedserve import __version__, envs
+from pagedserve import envs
 from pagedserve.engine.prompt_bound import check_prompt_chars
 from pagedserve.errors import EngineDeadError, PagedServeError, ServerShuttingDownError
+from pagedserve.version import __version__
 
 from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from .openapi import (
