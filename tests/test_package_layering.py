@@ -194,3 +194,13 @@ def test_torch_free_modules() -> None:
         if any(in_package(name, free) for free in TORCH_FREE) and imports_torch(path)
     ]
     assert importing == []
+
+
+def test_only_the_root_facade_imports_entrypoints() -> None:
+    importers = sorted(
+        module
+        for module, targets in import_graph().items()
+        if module != "pagedserve" and not in_package(module, "pagedserve.entrypoints")
+        if any(in_package(t, "pagedserve.entrypoints") for t in targets)
+    )
+    assert importers == []

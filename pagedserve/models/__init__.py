@@ -1,1 +1,7 @@
-"""pagedserve package."""
+"""The model architectures (`llama`, `qwen2`, `qwen3`, `gpt2`) as plain `nn.Module`s with
+`forward(input_ids, positions, attn_metadata)`, the lazy architecture registry (`registry`,
+torch-free) and the safetensors weight loader (`loader`).
+
+Import rule: models imports layers, attention, distributed and the leaf modules; never worker,
+executor or engine (the engine and the server import only `models.registry`).
+"""
