@@ -13,6 +13,10 @@ step() {  # name, timeout, command...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   tail -n 14 "$OUT/$name.log"; echo "=== $name rc=$rc $((SECONDS - t0))s"
 }
+if [ -d .whl ]; then  # what the image lacks (msgspec for the engine; the web stack for P1), as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
 step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 tests/gpu tests/attention \
   tests/layers
 step p2_llama8b 200 python3 benchmarks/throughput.py --preset llama-3.1-8b --dtype bfloat16 \
@@ -20,9 +24,8 @@ step p2_llama8b 200 python3 benchmarks/throughput.py --preset llama-3.1-8b --dty
 step p3_qwen3 150 python3 benchmarks/throughput.py --preset qwen3-0.6b --dtype bfloat16 \
   --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --max-model-len 2048 --max-num-seqs 256
 step p4_roofline 120 python3 benchmarks/roofline.py --preset llama-3.1-8b --context 1024 --batch-size 1
-if [ -d .whl ]; then  # the web stack for the server (P1), carried as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  step p1_seed_baseline 200 env PYTHONPATH=/tmp/site:$PWD python3 benchmarks/seed_baseline.py \
+if [ -d .whl ]; then
+  step p1_seed_baseline 200 python3 benchmarks/seed_baseline.py \
     --preset gpt2-large --tokenizer .gpu_assets/tokenizers/gpt2 --device cuda
 fi
 step p5_generate_batch 240 python3 benchmarks/throughput.py --preset llama-3.1-8b --dtype bfloat16 \
