@@ -412,4 +412,4 @@ def _is_unicode(text: str) -> bool:
 
 def _check(ok: bool, name: str, message: str, owner: str = "SamplingParams") -> None:
     if not ok:
-        raise InvalidRequestError(f"{owner}.{name} {message}")
+        raise InvalidRequestError(f"{owner}.{name} {message}", name)
