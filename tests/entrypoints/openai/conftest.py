@@ -38,7 +38,8 @@ from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import load_tokenizer
 
-from .in_process import AppLoop, FakeEngine, InProcessApp, ServerCalls, parse_sse
+from .fake_engine import FakeEngine
+from .in_process import AppLoop, InProcessApp, ServerCalls, parse_sse
 
 REPO = Path(__file__).resolve().parents[3]
 TOKENIZERS = REPO.parent / "shared" / "tokenizers"
