@@ -201,12 +201,17 @@ class Server(ServerCalls):
         self.log_file.close()
 
 
+_TINY_MODELS: dict[str, Path] = {}  # by tokenizer name: servers only read their model folder
+
+
 def start_server(
     tmp_factory: pytest.TempPathFactory, tokenizer_name: str, api_key: str | None, args: list[str]
 ) -> Server:
-    folder = tmp_factory.mktemp(f"tiny-llama-{tokenizer_name}")
-    model = build_tiny_model(folder / "model", tokenizer_name)
-    return Server(model, folder / "server.log", api_key, args)
+    if tokenizer_name not in _TINY_MODELS:
+        folder = tmp_factory.mktemp(f"tiny-llama-{tokenizer_name}")
+        _TINY_MODELS[tokenizer_name] = build_tiny_model(folder / "model", tokenizer_name)
+    log_path = tmp_factory.mktemp(f"server-{tokenizer_name}") / "server.log"
+    return Server(_TINY_MODELS[tokenizer_name], log_path, api_key, args)
 
 
 @pytest.fixture(scope="session")
