@@ -26,6 +26,6 @@ def is_unicode(text: str) -> bool:
 
 
 def check(ok: bool, name: str, message: str, owner: str = "SamplingParams") -> None:
-    """Raise InvalidRequestError "{owner}.{name} {message}" (naming the field) unless `ok`."""
+    """Raise InvalidRequestError "{owner}.{name} {message}", with `param` = name, unless `ok`."""
     if not ok:
-        raise InvalidRequestError(f"{owner}.{name} {message}")
+        raise InvalidRequestError(f"{owner}.{name} {message}", name)

@@ -4,7 +4,6 @@ parameters, SSE framing and disconnect handling (logprob formats: serving_logpro
 import asyncio
 import json
 import logging
-import re
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 
@@ -23,9 +22,12 @@ from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 from .protocol import (
     UNSUPPORTED_FIELDS,
+    ChatCompletionStreamResponse,
+    CompletionStreamResponse,
     ErrorInfo,
     ErrorResponse,
     SamplingFields,
+    UsageInfo,
 )
 
 logger = logging.getLogger(__name__)
@@ -77,8 +79,7 @@ def to_openai_error(exc: Exception) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        match = re.match(r"SamplingParams\.(\w+)", str(exc))
-        return OpenAIError(400, str(exc), exc.param or (match.group(1) if match else None))
+        return OpenAIError(400, str(exc), exc.param)
     if isinstance(exc, EngineOverloadedError):
         return OpenAIError(429, str(exc))
     if isinstance(exc, EngineDeadError):
@@ -267,6 +268,51 @@ async def merge_streams(
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def final_outputs(
+    engine: Engine, streams: list[RequestStream], watcher: DisconnectWatcher
+) -> list[RequestOutput]:
+    """The final output of each of `streams` (FINAL_ONLY requests), in their order, for a
+    whole (not streamed) response; stops `watcher` however it ends. Raises OpenAIError 499
+    when a request ended unfinished or aborted: the client left, nobody reads the answer."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for index, output in merge_streams(engine, streams):
+            finals[index] = output
+    finally:
+        watcher.stop()
+    outputs = list(finals.values())
+    # An abort (the client left) ends a request with a final output too: never answer it.
+    aborted = any(c.finish_reason == "abort" for o in outputs for c in o.outputs)
+    if len(finals) < len(streams) or not all(o.finished for o in outputs) or aborted:
+        raise OpenAIError(499, "the client disconnected")  # nobody reads this
+    return [finals[i] for i in range(len(finals))]
+
+
+def usage_info(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    """OpenAI's `usage` of a response (tokens of the prompts, of the returned choices)."""
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+    )
+
+
+def stream_end(
+    chunk_class: type[CompletionStreamResponse] | type[ChatCompletionStreamResponse],
+    request_id: str,
+    created: int,
+    model: str,
+    usage: UsageInfo | None,
+) -> Iterator[str]:
+    """The last events of a stream: with `usage` (the client asked for
+    `stream_options.include_usage`) a chunk of no choices that carries it, as OpenAI sends;
+    then [DONE]."""
+    if usage is not None:
+        chunk = chunk_class(id=request_id, created=created, model=model, choices=[], usage=usage)
+        yield sse(chunk)
+    yield SSE_DONE
 
 
 def sse(payload: Any, include_usage: bool = True) -> str:

@@ -25,20 +25,21 @@ from .protocol import (
     ChatResponseMessage,
     DeltaMessage,
     TokenizeChatRequest,
-    UsageInfo,
     random_id,
 )
 from .serving import (
-    SSE_DONE,
     DisconnectWatcher,
     Engine,
     OpenAIError,
     add_requests,
     check_model,
+    final_outputs,
     guarded_stream,
     merge_streams,
     sampling_params,
     sse,
+    stream_end,
+    usage_info,
 )
 from .serving_logprobs import chat_logprobs, check_prompt_logprobs, prompt_logprobs_json
 
@@ -121,19 +122,7 @@ class OpenAIServingChat:
         if request.stream:
             body = guarded_stream(self._stream(request, request_id, created, streams), watcher)
             return StreamingResponse(body, media_type="text/event-stream")
-        final = None
-        try:
-            async for _, output in merge_streams(self.engine, streams):
-                final = output
-        finally:
-            watcher.stop()
-        # An abort (the client left) ends a request with a final output too: never answer it.
-        if (
-            final is None
-            or not final.finished
-            or any(c.finish_reason == "abort" for c in final.outputs)
-        ):
-            raise OpenAIError(499, "the client disconnected")  # nobody reads this
+        [final] = await final_outputs(self.engine, streams, watcher)
         return self._response(request, request_id, created, final)
 
     def _logprobs(
@@ -172,13 +161,8 @@ class OpenAIServingChat:
             )
             for completion in output.outputs
         ]
-        num_prompt_tokens = len(output.prompt_token_ids)
         num_completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-        usage = UsageInfo(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_completion_tokens,
-            total_tokens=num_prompt_tokens + num_completion_tokens,
-        )
+        usage = usage_info(len(output.prompt_token_ids), num_completion_tokens)
         return ChatCompletionResponse(
             id=request_id,
             created=created,
@@ -230,14 +214,8 @@ class OpenAIServingChat:
                     stop_reason=completion.stop_reason,
                 )
                 yield chunk([choice])
-        if include_usage:
-            usage = UsageInfo(
-                prompt_tokens=num_prompt_tokens,
-                completion_tokens=num_completion_tokens,
-                total_tokens=num_prompt_tokens + num_completion_tokens,
-            )
-            final = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=[], usage=usage
-            )
-            yield sse(final)
-        yield SSE_DONE
+        usage = usage_info(num_prompt_tokens, num_completion_tokens) if include_usage else None
+        for event in stream_end(
+            ChatCompletionStreamResponse, request_id, created, self.model_name, usage
+        ):
+            yield event

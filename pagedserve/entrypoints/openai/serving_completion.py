@@ -24,20 +24,21 @@ from .protocol import (
     CompletionResponseChoice,
     CompletionStreamChoice,
     CompletionStreamResponse,
-    UsageInfo,
     random_id,
 )
 from .serving import (
-    SSE_DONE,
     DisconnectWatcher,
     Engine,
     OpenAIError,
     add_requests,
     check_model,
+    final_outputs,
     guarded_stream,
     merge_streams,
     sampling_params,
     sse,
+    stream_end,
+    usage_info,
 )
 from .serving_logprobs import check_prompt_logprobs, completion_logprobs, prompt_logprobs_json
 
@@ -93,18 +94,8 @@ class OpenAIServingCompletion:
         if request.stream:
             body = guarded_stream(self._stream(request, request_id, created, streams), watcher)
             return StreamingResponse(body, media_type="text/event-stream")
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for index, output in merge_streams(self.engine, streams):
-                finals[index] = output
-        finally:
-            watcher.stop()
-        outputs = list(finals.values())
-        # An abort (the client left) ends a request with a final output too: never answer it.
-        aborted = any(c.finish_reason == "abort" for o in outputs for c in o.outputs)
-        if len(finals) < len(streams) or not all(o.finished for o in outputs) or aborted:
-            raise OpenAIError(499, "the client disconnected")  # nobody reads this
-        return self._response(request, request_id, created, [finals[i] for i in range(len(finals))])
+        outputs = await final_outputs(self.engine, streams, watcher)
+        return self._response(request, request_id, created, outputs)
 
     def _prompts(
         self, request: CompletionRequest, cancelled: threading.Event | None = None
@@ -195,9 +186,9 @@ class OpenAIServingCompletion:
         outputs: list[RequestOutput],
     ) -> CompletionResponse:
         choices = []
-        usage = UsageInfo()
+        num_prompt_tokens = num_completion_tokens = 0
         for i, output in enumerate(outputs):
-            usage.prompt_tokens += len(output.prompt_token_ids)
+            num_prompt_tokens += len(output.prompt_token_ids)
             prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
             for completion in output.outputs:
                 state = _ChoiceState()
@@ -206,8 +197,8 @@ class OpenAIServingCompletion:
                 choices.append(
                     CompletionResponseChoice(**dict(choice), prompt_logprobs=prompt_logprobs)
                 )
-                usage.completion_tokens += state.num_tokens
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                num_completion_tokens += state.num_tokens
+        usage = usage_info(num_prompt_tokens, num_completion_tokens)
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
         )
@@ -241,16 +232,11 @@ class OpenAIServingCompletion:
                     id=request_id, created=created, model=self.model_name, choices=[choice]
                 )
                 yield sse(chunk, include_usage)
+        usage = None
         if include_usage:
             num_prompt_tokens = sum(state.num_prompt_tokens.values())
-            num_completion_tokens = sum(c.num_tokens for c in state.choices.values())
-            usage = UsageInfo(
-                prompt_tokens=num_prompt_tokens,
-                completion_tokens=num_completion_tokens,
-                total_tokens=num_prompt_tokens + num_completion_tokens,
-            )
-            chunk = CompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=[], usage=usage
-            )
-            yield sse(chunk)
-        yield SSE_DONE
+            usage = usage_info(num_prompt_tokens, sum(c.num_tokens for c in state.choices.values()))
+        for event in stream_end(
+            CompletionStreamResponse, request_id, created, self.model_name, usage
+        ):
+            yield event

@@ -1,8 +1,17 @@
-"""Fixtures: tiny random Llama models with real tokenizers, and the real server as a subprocess.
+"""Fixtures: the server's app in process, with a fake engine or the real one; tiny random Llama
+models with real tokenizers, and the real server as a subprocess.
 
-The main server (`server`, session-scoped, so it starts once) uses the Llama 3 tokenizer, whose
-chat template holds the BOS token, and requires an API key; tests that kill the engine core
-start their own. Every wait has a timeout so that nothing can hang CI.
+Where a test can, it uses the app in process (in_process.py): `fake_app` (a FakeEngine with
+the Llama 3 tokenizer: the real tokenizing, validation, detokenizing and stop strings, a
+script in place of the model; new for each test, milliseconds to make) for what the server
+does with requests, and `real_engine` (one real AsyncLLMEngine on the bundled stories260k,
+max_model_len 128, shared by the session) where a real model matters.
+
+The real-process `server` (session-scoped, so it starts once) uses the Llama 3 tokenizer,
+whose chat template holds the BOS token, and requires an API key; it is for what only a
+process shows (start-up, metrics, uvicorn's disconnects, concurrency); tests that stop the
+server or kill its engine core start their own. Every wait has a timeout so that nothing can
+hang CI.
 """
 
 import contextlib
@@ -14,7 +23,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +33,13 @@ import openai
 import pytest
 import torch
 import transformers
+
+from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.llm_engine import load_tokenizer
+
+from .fake_engine import FakeEngine
+from .in_process import AppLoop, InProcessApp, ServerCalls, parse_sse
 
 REPO = Path(__file__).resolve().parents[3]
 TOKENIZERS = REPO.parent / "shared" / "tokenizers"
@@ -64,7 +81,7 @@ def free_port() -> int:
         return port
 
 
-class Server:
+class Server(ServerCalls):
     """A running `python -m pagedserve.entrypoints.openai.api_server` and ways to talk to it."""
 
     def __init__(self, model: Path, log_path: Path, api_key: str | None, args: list[str]):
@@ -108,10 +125,6 @@ class Server:
         self.log_file.flush()
         return self.log_path.read_text()[-5000:]
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
     def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(
             base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
@@ -133,18 +146,6 @@ class Server:
         kwargs.setdefault("headers", self.headers)
         kwargs.setdefault("timeout", 30.0)
         return httpx.get(f"{self.url}{path}", **kwargs)
-
-    def tokenize(self, **body: Any) -> list[int]:
-        response = self.post("/tokenize", {"model": self.model, **body})
-        assert response.status_code == 200, response.text
-        tokens: list[int] = response.json()["tokens"]
-        return tokens
-
-    def detokenize(self, tokens: list[int]) -> str:
-        response = self.post("/detokenize", {"tokens": tokens})
-        assert response.status_code == 200, response.text
-        text: str = response.json()["prompt"]
-        return text
 
     def leave_mid_stream(self, path: str, body: Any, num_events: int = 4) -> None:
         """Open a streaming request, read `num_events` SSE events (checking that it is still
@@ -200,12 +201,17 @@ class Server:
         self.log_file.close()
 
 
+_TINY_MODELS: dict[str, Path] = {}  # by tokenizer name: servers only read their model folder
+
+
 def start_server(
     tmp_factory: pytest.TempPathFactory, tokenizer_name: str, api_key: str | None, args: list[str]
 ) -> Server:
-    folder = tmp_factory.mktemp(f"tiny-llama-{tokenizer_name}")
-    model = build_tiny_model(folder / "model", tokenizer_name)
-    return Server(model, folder / "server.log", api_key, args)
+    if tokenizer_name not in _TINY_MODELS:
+        folder = tmp_factory.mktemp(f"tiny-llama-{tokenizer_name}")
+        _TINY_MODELS[tokenizer_name] = build_tiny_model(folder / "model", tokenizer_name)
+    log_path = tmp_factory.mktemp(f"server-{tokenizer_name}") / "server.log"
+    return Server(_TINY_MODELS[tokenizer_name], log_path, api_key, args)
 
 
 @pytest.fixture(scope="session")
@@ -215,18 +221,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield running
     finally:
         running.stop()
-
-
-def parse_sse(text: str) -> list[Any]:
-    """The events of an SSE body: parsed JSON objects, and the string "[DONE]"."""
-    events: list[Any] = []
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith("data: "), block
-        data = block[len("data: ") :]
-        events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 @pytest.fixture(scope="session")
@@ -242,3 +236,72 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="session")
 def sse() -> Any:
     return parse_sse
+
+
+FAKE_MODEL = "fake-model"
+REAL_MAX_MODEL_LEN = 128
+
+
+@cache
+def shared_tokenizer(name: str) -> Any:
+    """A tokenizer of ../shared/tokenizers, or "stories260k" (the bundled model's), loaded once
+    per session as the engine loads it."""
+    return load_tokenizer(DEFAULT_MODEL if name == "stories260k" else str(TOKENIZERS / name))
+
+
+@pytest.fixture(scope="session")
+def app_loop() -> Iterator[AppLoop]:
+    """The event loop (in a thread) of every in-process app and engine."""
+    loop = AppLoop()
+    try:
+        yield loop
+    finally:
+        loop.close()
+
+
+@pytest.fixture
+def fake_app_factory(app_loop: AppLoop) -> Iterator[Callable[..., InProcessApp]]:
+    """`make(tokenizer="llama3", api_key=None, engine=dict(FakeEngine options), **build_app
+    options)`: an app on a new FakeEngine. After the test, no request may still run: each
+    one finished, or was aborted (a client gone, a failure)."""
+    made: list[InProcessApp] = []
+
+    def make(
+        tokenizer: str = "llama3",
+        api_key: str | None = None,
+        engine: dict[str, Any] | None = None,
+        **app_kwargs: Any,
+    ) -> InProcessApp:
+        fake = FakeEngine(shared_tokenizer(tokenizer), **(engine or {}))
+        app = InProcessApp(app_loop, fake, FAKE_MODEL, api_key, **app_kwargs)
+        made.append(app)
+        return app
+
+    yield make
+    for app in made:
+        app_loop.loop.call_soon_threadsafe(app.engine.shutdown)
+        assert app.engine.running() == [], "requests left running"
+
+
+@pytest.fixture
+def fake_app(fake_app_factory: Callable[..., InProcessApp]) -> InProcessApp:
+    """The app on a new FakeEngine with the Llama 3 tokenizer (and its chat template)."""
+    return fake_app_factory()
+
+
+@pytest.fixture(scope="session")
+def real_engine(app_loop: AppLoop) -> Iterator[AsyncLLMEngine]:
+    """One real AsyncLLMEngine (its engine core in its own process) on the bundled
+    stories260k, max_model_len 128; build apps on it with `InProcessApp(app_loop, ...)`."""
+    args = EngineArgs(
+        device="cpu", max_model_len=REAL_MAX_MODEL_LEN, kv_cache_memory_bytes=8 * 2**20
+    )
+    engine = AsyncLLMEngine.from_engine_args(args, log_stats=False)
+
+    async def shutdown() -> None:  # on its loop: it cancels the engine's tasks
+        engine.shutdown()
+
+    try:
+        yield engine
+    finally:
+        app_loop.run(shutdown())

@@ -1,13 +1,15 @@
 """The server with `--async-scheduling` (the GPU default; forced here on the CPU) answers
-exactly as the one-step-at-a-time server does, and a client that leaves mid-stream frees
-everything."""
+exactly as the one-step-at-a-time server does, a client that leaves mid-stream frees
+everything, and SIGINT (Ctrl-C) stops it cleanly (last: it ends the server)."""
 
+import signal
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from .conftest import Server, start_server
+from .test_engine_death import assert_clean_stop
 from .test_lifecycle_metrics import ABORTED, idle
 
 PROMPTS = ["Once upon a time", "The little dog", "Tell me a story about a cat who"]
@@ -57,3 +59,9 @@ def test_disconnect_mid_stream_frees_everything(async_server: Server) -> None:
     async_server.leave_mid_stream("/v1/completions", body)
     after = async_server.wait_metrics(idle, timeout_s=5.0)
     assert after[ABORTED] == before[ABORTED] + 1
+
+
+def test_sigint_to_the_process_group_is_a_clean_stop(async_server: Server) -> None:
+    """Ctrl-C in a terminal (test_engine_death.py sends SIGTERM to another server). Last in
+    this module: the server is gone after it."""
+    assert_clean_stop(async_server, signal.SIGINT)

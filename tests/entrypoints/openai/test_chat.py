@@ -1,9 +1,12 @@
-"""/v1/chat/completions, /tokenize and /detokenize through the real server."""
+"""/v1/chat/completions, /tokenize and /detokenize: in process on the fake engine (with the
+Llama 3 tokenizer and its chat template), and chat, whole and streamed, on the real server."""
 
 from typing import Any
 
 import pytest
 import transformers
+
+from .conftest import TOKENIZERS
 
 MESSAGES = [
     {"role": "system", "content": "You are a poet. 你是诗人。"},
@@ -14,31 +17,31 @@ FIXED_LENGTH = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(server: Any) -> Any:
-    return transformers.AutoTokenizer.from_pretrained(server.model)
+def hf_tokenizer() -> Any:
+    return transformers.AutoTokenizer.from_pretrained(TOKENIZERS / "llama3")
 
 
-def test_chat_prompt_tokenizes_like_transformers(server: Any, hf_tokenizer: Any) -> None:
+def test_chat_prompt_tokenizes_like_transformers(fake_app: Any, hf_tokenizer: Any) -> None:
     expected = hf_tokenizer.apply_chat_template(
         MESSAGES, add_generation_prompt=True, return_dict=True
     )["input_ids"]
     assert expected.count(hf_tokenizer.bos_token_id) == 1  # the template's BOS, once
-    assert server.tokenize(messages=MESSAGES) == expected
-    result = server.client().chat.completions.create(
-        model=server.model, messages=MESSAGES, max_tokens=3, **GREEDY
+    assert fake_app.tokenize(messages=MESSAGES) == expected
+    result = fake_app.client().chat.completions.create(
+        model=fake_app.model, messages=MESSAGES, max_tokens=3, **GREEDY
     )
     assert result.usage.prompt_tokens == len(expected)
 
 
-def test_tokenize_and_detokenize(server: Any, hf_tokenizer: Any) -> None:
+def test_tokenize_and_detokenize(fake_app: Any, hf_tokenizer: Any) -> None:
     text = "Hello 世界 🎉"
-    ids = server.tokenize(prompt=text)
+    ids = fake_app.tokenize(prompt=text)
     assert ids == hf_tokenizer.encode(text)
-    bare = server.tokenize(prompt=text, add_special_tokens=False)
+    bare = fake_app.tokenize(prompt=text, add_special_tokens=False)
     assert bare == hf_tokenizer.encode(text, add_special_tokens=False)
-    response = server.post("/detokenize", {"tokens": bare})
+    response = fake_app.post("/detokenize", {"tokens": bare})
     assert response.status_code == 200 and response.json() == {"prompt": text}
-    body = server.post("/tokenize", {"prompt": text}).json()
+    body = fake_app.post("/tokenize", {"prompt": text}).json()
     assert body["count"] == len(ids) and body["max_model_len"] == 1024
 
 
@@ -66,23 +69,23 @@ def test_streamed_chat_equals_non_streamed(server: Any, sse: Any) -> None:
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == message["content"]
 
 
-def test_chat_include_usage(server: Any) -> None:
+def test_chat_include_usage(fake_app: Any) -> None:
     chunks = list(
-        server.client().chat.completions.create(
-            model=server.model, messages=MESSAGES, max_tokens=7, stream=True,
+        fake_app.client().chat.completions.create(
+            model=fake_app.model, messages=MESSAGES, max_tokens=7, stream=True,
             stream_options={"include_usage": True}, extra_body=FIXED_LENGTH, **GREEDY,
         )
     )  # fmt: skip
     assert [c for c in chunks if c.usage is not None] == [chunks[-1]]
     assert chunks[-1].choices == []
-    num_prompt_tokens = len(server.tokenize(messages=MESSAGES))
+    num_prompt_tokens = len(fake_app.tokenize(messages=MESSAGES))
     usage = chunks[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (num_prompt_tokens, 7)
 
 
-def test_chat_n_and_logprobs(server: Any) -> None:
-    result = server.client().chat.completions.create(
-        model=server.model, messages=MESSAGES, max_completion_tokens=5, n=3, seed=1,
+def test_chat_n_and_logprobs(fake_app: Any) -> None:
+    result = fake_app.client().chat.completions.create(
+        model=fake_app.model, messages=MESSAGES, max_completion_tokens=5, n=3, seed=1,
         logprobs=True, top_logprobs=3, extra_body=FIXED_LENGTH,
     )  # fmt: skip
     assert [choice.index for choice in result.choices] == [0, 1, 2]
@@ -91,59 +94,62 @@ def test_chat_n_and_logprobs(server: Any) -> None:
         content = choice.logprobs.content
         assert len(content) == 5
         # Token texts in context join to the content (issue 13 item 3); a token that ends
-        # inside a character has the text "" and its raw bytes (item 4).
+        # inside a character has the text "" and its raw bytes (item 4), as has the one that
+        # completes the character (test_chat_logprob_bytes_of_split_characters); a token of
+        # whole characters has their bytes.
         assert "".join(entry.token for entry in content) == choice.message.content
-        for entry in content:
+        for previous, entry in zip([None, *content], content, strict=False):
             assert entry.logprob <= 0.0
-            assert entry.bytes == list(entry.token.encode()) or entry.token == ""
+            whole = entry.token and "\ufffd" not in entry.token
+            if whole and (previous is None or previous.token):
+                assert entry.bytes == list(entry.token.encode())
             assert len(entry.top_logprobs) == 3
             top = [t.logprob for t in entry.top_logprobs]
             assert top == sorted(top, reverse=True) and entry.logprob <= top[0]
 
 
-def test_chat_content_parts_and_max_tokens(server: Any) -> None:
+def test_chat_content_parts_and_max_tokens(fake_app: Any) -> None:
     parts = [{"type": "text", "text": "Write about"}, {"type": "text", "text": "the sea 🌊"}]
     as_parts = [MESSAGES[0], {"role": "user", "content": parts}]
     as_text = [MESSAGES[0], {"role": "user", "content": "Write about\nthe sea 🌊"}]
-    assert server.tokenize(messages=as_parts) == server.tokenize(messages=as_text)
-    result = server.client().chat.completions.create(
-        model=server.model, messages=as_parts, max_tokens=4, extra_body=FIXED_LENGTH, **GREEDY
+    assert fake_app.tokenize(messages=as_parts) == fake_app.tokenize(messages=as_text)
+    result = fake_app.client().chat.completions.create(
+        model=fake_app.model, messages=as_parts, max_tokens=4, extra_body=FIXED_LENGTH, **GREEDY
     )
     assert result.usage.completion_tokens == 4
     assert result.choices[0].finish_reason == "length"
 
 
-def test_continue_final_message(server: Any, hf_tokenizer: Any) -> None:
+def test_continue_final_message(fake_app: Any, hf_tokenizer: Any) -> None:
     messages = [*MESSAGES, {"role": "assistant", "content": "The sea is"}]
     expected = hf_tokenizer.apply_chat_template(
         messages, continue_final_message=True, return_dict=True
     )["input_ids"]
     body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
-    assert server.tokenize(**body) == expected
-    response = server.post(
+    assert fake_app.tokenize(**body) == expected
+    response = fake_app.post(
         "/v1/chat/completions",
-        {"model": server.model, **body, "max_tokens": 3, **GREEDY, **FIXED_LENGTH},
+        {"model": fake_app.model, **body, "max_tokens": 3, **GREEDY, **FIXED_LENGTH},
     )
     assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == len(
         expected
     )
 
 
-def test_chat_logprob_bytes_of_split_characters(server: Any, sse: Any) -> None:
+def test_chat_logprob_bytes_of_split_characters(fake_app: Any, sse: Any) -> None:
     """Issue 13 item 4: "🎉龘" is five byte-level Llama 3 tokens, four of them parts of a
-    character. Forced in order (only these tokens allowed, decreasing biases, and a repetition
-    penalty that rules out a token once used), each such token's `bytes` are its raw bytes (not
-    EF BF BD) and all entries' bytes concatenate to the content; the token texts join to it."""
+    character. Written in order by the fake engine, each such token's `bytes` are its raw bytes
+    (not EF BF BD) and all entries' bytes concatenate to the content; the token texts join to
+    it. The alternatives (the script's next tokens) are parts of characters too."""
     text = "🎉龘"
-    token_ids = server.tokenize(prompt=text, add_special_tokens=False)
+    token_ids = fake_app.tokenize(prompt=text, add_special_tokens=False)
     assert len(token_ids) == 5 and len(set(token_ids)) == 5
+    fake_app.engine.write(token_ids)
     body = {
         "messages": MESSAGES, "max_tokens": 5, "logprobs": True, "top_logprobs": 2,
-        "allowed_token_ids": token_ids, "repetition_penalty": 1000.0,
-        "logit_bias": {str(t): 100.0 - 20 * i for i, t in enumerate(token_ids)},
         **FIXED_LENGTH, **GREEDY,
     }  # fmt: skip
-    choice = server.post("/v1/chat/completions", body).json()["choices"][0]
+    choice = fake_app.post("/v1/chat/completions", body).json()["choices"][0]
     content = choice["logprobs"]["content"]
     assert choice["message"]["content"] == text
     assert [entry["token"] for entry in content] == ["", "", "🎉", "", "龘"]
@@ -151,7 +157,7 @@ def test_chat_logprob_bytes_of_split_characters(server: Any, sse: Any) -> None:
     assert all(raw) and b"".join(raw[:3]) == "🎉".encode() and b"".join(raw[3:]) == "龘".encode()
     for entry in content:  # alternatives: raw bytes too where they hold part of a character
         assert all(b"\xef\xbf\xbd" not in bytes(top["bytes"]) for top in entry["top_logprobs"])
-    chunks = sse(server.post("/v1/chat/completions", {**body, "stream": True}).text)
+    chunks = sse(fake_app.post("/v1/chat/completions", {**body, "stream": True}).text)
     streamed = [
         entry for chunk in chunks[:-1] for c in chunk["choices"] if c.get("logprobs")
         for entry in c["logprobs"]["content"]

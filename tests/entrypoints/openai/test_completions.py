@@ -1,4 +1,6 @@
-"""/v1/completions and /v1/models through the real server, with the official openai client."""
+"""/v1/completions and /v1/models with the official openai client: in process on the fake
+engine (the real tokenizing, detokenizing and stop strings; a script for the model), and 64
+concurrent streaming clients of the real server process."""
 
 import asyncio
 from typing import Any
@@ -21,16 +23,16 @@ def stream_text(client: Any, **kwargs: Any) -> tuple[dict[int, str], list[Any]]:
     return texts, chunks
 
 
-def test_models_lists_the_served_model(server: Any) -> None:
-    models = server.client().models.list().data
-    assert [m.id for m in models] == [server.model]
+def test_models_lists_the_served_model(fake_app: Any) -> None:
+    models = fake_app.client().models.list().data
+    assert [m.id for m in models] == [fake_app.model]
     assert models[0].model_extra["max_model_len"] == 1024
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_streamed_text_equals_non_streamed(server: Any, prompt: str) -> None:
-    client = server.client()
-    args = dict(model=server.model, prompt=prompt, max_tokens=24, extra_body=FIXED_LENGTH)
+def test_streamed_text_equals_non_streamed(fake_app: Any, prompt: str) -> None:
+    client = fake_app.client()
+    args = dict(model=fake_app.model, prompt=prompt, max_tokens=24, extra_body=FIXED_LENGTH)
     full = client.completions.create(**args, **GREEDY)
     streamed, chunks = stream_text(client, **args, **GREEDY)
     assert streamed == {0: full.choices[0].text}
@@ -39,12 +41,12 @@ def test_streamed_text_equals_non_streamed(server: Any, prompt: str) -> None:
     assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
 
 
-def test_include_usage_sends_one_final_usage_chunk(server: Any) -> None:
-    client = server.client()
-    num_prompt_tokens = len(server.tokenize(prompt=PROMPTS[0]))
+def test_include_usage_sends_one_final_usage_chunk(fake_app: Any) -> None:
+    client = fake_app.client()
+    num_prompt_tokens = len(fake_app.tokenize(prompt=PROMPTS[0]))
     chunks = list(
         client.completions.create(
-            model=server.model, prompt=PROMPTS[0], max_tokens=9, stream=True,
+            model=fake_app.model, prompt=PROMPTS[0], max_tokens=9, stream=True,
             stream_options={"include_usage": True}, extra_body=FIXED_LENGTH, **GREEDY,
         )
     )  # fmt: skip
@@ -54,23 +56,23 @@ def test_include_usage_sends_one_final_usage_chunk(server: Any) -> None:
     assert (usage.prompt_tokens, usage.completion_tokens) == (num_prompt_tokens, 9)
     assert usage.total_tokens == num_prompt_tokens + 9
     full = client.completions.create(
-        model=server.model, prompt=PROMPTS[0], max_tokens=9, extra_body=FIXED_LENGTH, **GREEDY
+        model=fake_app.model, prompt=PROMPTS[0], max_tokens=9, extra_body=FIXED_LENGTH, **GREEDY
     )
     assert full.usage.prompt_tokens == num_prompt_tokens
     assert full.usage.completion_tokens == 9
 
 
-def test_without_include_usage_no_chunk_has_usage(server: Any, sse: Any) -> None:
+def test_without_include_usage_no_chunk_has_usage(fake_app: Any, sse: Any) -> None:
     body = {"prompt": "Hi", "max_tokens": 3, "stream": True, **GREEDY}
-    events = sse(server.post("/v1/completions", body).text)
+    events = sse(fake_app.post("/v1/completions", body).text)
     assert events[-1] == "[DONE]"
     assert all("usage" not in event for event in events[:-1])
 
 
-def test_n_returns_indexed_choices(server: Any) -> None:
-    client = server.client()
+def test_n_returns_indexed_choices(fake_app: Any) -> None:
+    client = fake_app.client()
     args = dict(
-        model=server.model, prompt="Hello", max_tokens=6, n=3, seed=7, temperature=1.0,
+        model=fake_app.model, prompt="Hello", max_tokens=6, n=3, seed=7, temperature=1.0,
         extra_body=FIXED_LENGTH,
     )  # fmt: skip
     full = client.completions.create(**args)
@@ -83,11 +85,11 @@ def test_n_returns_indexed_choices(server: Any) -> None:
     assert streamed == {choice.index: choice.text for choice in full.choices}  # same seeds
 
 
-def test_echo_with_logprobs_returns_prompt_tokens(server: Any) -> None:
+def test_echo_with_logprobs_returns_prompt_tokens(fake_app: Any) -> None:
     prompt = "Echo 你好"
-    prompt_ids = server.tokenize(prompt=prompt)
-    result = server.client().completions.create(
-        model=server.model, prompt=prompt, max_tokens=5, echo=True, logprobs=2,
+    prompt_ids = fake_app.tokenize(prompt=prompt)
+    result = fake_app.client().completions.create(
+        model=fake_app.model, prompt=prompt, max_tokens=5, echo=True, logprobs=2,
         extra_body=FIXED_LENGTH, **GREEDY,
     )  # fmt: skip
     choice = result.choices[0]
@@ -115,10 +117,10 @@ def test_echo_with_logprobs_returns_prompt_tokens(server: Any) -> None:
         assert top[token] == lp == max(top.values())
 
 
-def test_prompt_forms(server: Any) -> None:
-    client = server.client()
-    ids = server.tokenize(prompt="Once upon a time")
-    args = dict(model=server.model, max_tokens=4, extra_body=FIXED_LENGTH, **GREEDY)
+def test_prompt_forms(fake_app: Any) -> None:
+    client = fake_app.client()
+    ids = fake_app.tokenize(prompt="Once upon a time")
+    args = dict(model=fake_app.model, max_tokens=4, extra_body=FIXED_LENGTH, **GREEDY)
     by_text = client.completions.create(prompt="Once upon a time", **args).choices[0].text
     by_ids = client.completions.create(prompt=ids, **args).choices[0].text
     assert by_ids == by_text
@@ -130,9 +132,9 @@ def test_prompt_forms(server: Any) -> None:
     assert lists.usage.prompt_tokens == len(ids) + 2
 
 
-def test_stop_string_ends_the_text(server: Any) -> None:
-    client = server.client()
-    args = dict(model=server.model, prompt=PROMPTS[2], max_tokens=24, extra_body=FIXED_LENGTH)
+def test_stop_string_ends_the_text(fake_app: Any) -> None:
+    client = fake_app.client()
+    args = dict(model=fake_app.model, prompt=PROMPTS[2], max_tokens=24, extra_body=FIXED_LENGTH)
     full = client.completions.create(**args, **GREEDY).choices[0].text
     stop = full[5:8]  # some text the model is known to produce
     stopped = client.completions.create(**args, stop=[stop], **GREEDY).choices[0]
@@ -143,17 +145,19 @@ def test_stop_string_ends_the_text(server: Any) -> None:
     assert streamed == {0: stopped.text}
 
 
-def test_max_tokens_defaults_to_16(server: Any) -> None:
-    body = {"model": server.model, "prompt": "Hi", "ignore_eos": True}
-    assert server.post("/v1/completions", body).json()["usage"]["completion_tokens"] == 16
+def test_max_tokens_defaults_to_16(fake_app: Any) -> None:
+    body = {"model": fake_app.model, "prompt": "Hi", "ignore_eos": True}
+    assert fake_app.post("/v1/completions", body).json()["usage"]["completion_tokens"] == 16
 
 
-def test_64_concurrent_streaming_clients(server: Any) -> None:
+def concurrent_streaming_clients(server: Any, num_clients: int) -> Any:
+    """A coroutine: `num_clients` streams at once through the async openai client, each
+    checked against the whole answer to its prompt."""
     client = server.client()
     args = dict(model=server.model, max_tokens=8, extra_body=FIXED_LENGTH, **GREEDY)
     expected = {p: client.completions.create(prompt=p, **args).choices[0].text for p in PROMPTS}
 
-    async def one(async_client: Any, prompt: str) -> tuple[str, str, Any]:
+    async def one(async_client: Any, prompt: str) -> None:
         text, usage, finish = "", None, None
         stream = await async_client.completions.create(
             prompt=prompt, stream=True, stream_options={"include_usage": True}, **args
@@ -163,26 +167,34 @@ def test_64_concurrent_streaming_clients(server: Any) -> None:
                 text += choice.text
                 finish = choice.finish_reason or finish
             usage = chunk.usage or usage
-        return text, finish, usage
-
-    async def main() -> list[tuple[str, str, Any]]:
-        async with server.async_client() as async_client:
-            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
-            results = await asyncio.gather(*(one(async_client, p) for p in prompts))
-            return list(zip(prompts, results, strict=True))
-
-    for prompt, (text, finish, usage) in asyncio.run(asyncio.wait_for(main(), 120)):
         assert text == expected[prompt]
         assert finish == "length" and usage.completion_tokens == 8
 
+    async def main() -> None:
+        async with server.async_client() as async_client:
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_clients)]
+            await asyncio.wait_for(asyncio.gather(*(one(async_client, p) for p in prompts)), 120)
 
-def test_sampling_extras_are_accepted(server: Any) -> None:
+    return main()
+
+
+def test_64_concurrent_streaming_clients(server: Any) -> None:
+    """The real server process: uvicorn, the engine core batching 64 requests."""
+    asyncio.run(concurrent_streaming_clients(server, 64))
+
+
+def test_concurrent_streams_through_the_async_openai_client(fake_app: Any) -> None:
+    """In process: openai.AsyncOpenAI over httpx.ASGITransport, on the app's loop."""
+    fake_app.run(concurrent_streaming_clients(fake_app, 16))
+
+
+def test_sampling_extras_are_accepted(fake_app: Any) -> None:
     body = {
         "prompt": "Once upon a time", "max_tokens": 4, "presence_penalty": 0.5,
         "frequency_penalty": 0.5, "repetition_penalty": 1.2, "top_k": 5, "min_p": 0.1,
         "seed": 1, "min_tokens": 2, "stop_token_ids": [3], "logit_bias": {"100": -100},
         "skip_special_tokens": False, "include_stop_str_in_output": True, "user": "me",
     }  # fmt: skip
-    response = server.post("/v1/completions", body)
+    response = fake_app.post("/v1/completions", body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] >= 2

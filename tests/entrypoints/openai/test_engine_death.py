@@ -126,27 +126,31 @@ def test_keep_alive_on_engine_death_answers_503(server_factory: Any) -> None:
         running.stop()
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_to_the_process_group_is_a_clean_stop(
-    server_factory: Any, stop_signal: signal.Signals
-) -> None:
+def assert_clean_stop(running: Any, stop_signal: signal.Signals) -> None:
+    """`stop_signal` to the server's process group: the server exits 0, its engine core is
+    gone, and the log holds no error (the caller stops the server if this fails)."""
+    core = engine_core_pid(running.process.pid)
+    ok = running.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    os.killpg(running.process.pid, stop_signal)
+    assert running.process.wait(timeout=30) == 0, running.log()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{core}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{core}").exists()
+    log = running.log_path.read_text()
+    for bad in ("engine failed", "ERROR", "Traceback", "died"):
+        assert bad not in log, log[-3000:]
+
+
+def test_a_stop_signal_to_the_process_group_is_a_clean_stop(server_factory: Any) -> None:
     """timeout(1), systemd and a terminal's Ctrl-C signal the whole group. The engine core
     once died of the SIGTERM before the server stopped it (the server logged "engine failed"
     for a normal stop); then a normal stop was reported as an engine death (exit status 1,
-    which a supervisor restarts); Ctrl-C printed tracebacks. A stop exits 0, quietly."""
+    which a supervisor restarts); Ctrl-C printed tracebacks. A stop exits 0, quietly. SIGTERM
+    here; SIGINT ends the async-scheduling server (test_async_scheduling_server.py)."""
     running = server_factory("llama3")
     try:
-        core = engine_core_pid(running.process.pid)
-        ok = running.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
-        assert ok.status_code == 200, ok.text
-        os.killpg(running.process.pid, stop_signal)
-        assert running.process.wait(timeout=30) == 0, running.log()
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{core}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not Path(f"/proc/{core}").exists()
-        log = running.log_path.read_text()
-        for bad in ("engine failed", "ERROR", "Traceback", "died"):
-            assert bad not in log, log[-3000:]
+        assert_clean_stop(running, signal.SIGTERM)
     finally:
         running.stop()

@@ -1,10 +1,15 @@
-"""Every error is OpenAI-shaped, has the right status, and leaves the server healthy."""
+"""Every error is OpenAI-shaped, has the right status, and leaves the server healthy: in
+process, on the fake engine (the real tokenizing and validation) behind an API key."""
 
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import openai
 import pytest
+
+from .conftest import API_KEY
+from .in_process import InProcessApp
 
 
 def assert_error(response: httpx.Response, status: int, *words: str) -> dict[str, Any]:
@@ -17,41 +22,49 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> dict[str
     return error  # type: ignore[no-any-return]
 
 
+@pytest.fixture
+def fake_app(fake_app_factory: Callable[..., InProcessApp]) -> InProcessApp:
+    """The fake-engine app behind an API key, as the real `fake_app` is."""
+    return fake_app_factory(api_key=API_KEY)
+
+
 @pytest.fixture(autouse=True)
-def still_healthy_afterwards(server: Any) -> Any:
+def still_healthy_afterwards(fake_app: InProcessApp) -> Any:
     yield
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-    ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert fake_app.get("/health").status_code == 200
+    ok = fake_app.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/completions", "/tokenize", "/version"])
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "x"}])
-def test_missing_or_wrong_api_key_is_401(server: Any, path: str, headers: dict[str, str]) -> None:
+def test_missing_or_wrong_api_key_is_401(
+    fake_app: InProcessApp, path: str, headers: dict[str, str]
+) -> None:
     if path == "/v1/models" or path == "/version":
-        response = httpx.get(f"{server.url}{path}", headers=headers, timeout=10)
+        response = fake_app.get(path, headers=headers)
     else:
-        response = httpx.post(f"{server.url}{path}", json={"prompt": "x"}, headers=headers)
+        response = fake_app.post(path, {"prompt": "x"}, headers=headers)
     assert_error(response, 401, "API key")
 
 
-def test_health_and_metrics_need_no_key(server: Any) -> None:
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-    assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 200
-    version = server.get("/version")
+def test_health_and_metrics_need_no_key(fake_app: InProcessApp) -> None:
+    assert fake_app.get("/health", headers={}).status_code == 200
+    assert fake_app.get("/metrics", headers={}).status_code == 200
+    version = fake_app.get("/version")
     assert version.status_code == 200 and "version" in version.json()
 
 
-def test_openai_client_with_wrong_key_raises_authentication_error(server: Any) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+def test_openai_client_with_wrong_key_raises_authentication_error(fake_app: InProcessApp) -> None:
+    client = fake_app.client(api_key="wrong")
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
 
 
-def test_invalid_json_is_400(server: Any) -> None:
-    response = httpx.post(
-        f"{server.url}/v1/completions", content=b"{not json", timeout=10,
-        headers={**server.headers, "Content-Type": "application/json"},
+def test_invalid_json_is_400(fake_app: InProcessApp) -> None:
+    response = fake_app.request(
+        "POST", "/v1/completions", content=b"{not json",
+        headers={**fake_app.headers, "Content-Type": "application/json"},
     )  # fmt: skip
     assert_error(response, 400, "JSON")
 
@@ -80,19 +93,19 @@ def test_invalid_json_is_400(server: Any) -> None:
         ({"prompt": "x", "repetition_penalty": 1e-300}, "repetition_penalty"),
     ],
 )
-def test_invalid_fields_are_400(server: Any, body: dict[str, Any], param: str) -> None:
-    error = assert_error(server.post("/v1/completions", body), 400)
+def test_invalid_fields_are_400(fake_app: InProcessApp, body: dict[str, Any], param: str) -> None:
+    error = assert_error(fake_app.post("/v1/completions", body), 400)
     assert error["param"] is not None and param in error["param"], error
 
 
-def test_chat_errors_are_400(server: Any) -> None:
-    assert_error(server.post("/v1/chat/completions", {"messages": []}), 400)
+def test_chat_errors_are_400(fake_app: InProcessApp) -> None:
+    assert_error(fake_app.post("/v1/chat/completions", {"messages": []}), 400)
     bad_role = {"messages": [{"role": "robot", "content": "x"}]}
-    assert_error(server.post("/v1/chat/completions", bad_role), 400)
+    assert_error(fake_app.post("/v1/chat/completions", bad_role), 400)
     bad_part = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
-    assert_error(server.post("/v1/chat/completions", bad_part), 400)
+    assert_error(fake_app.post("/v1/chat/completions", bad_part), 400)
     top_only = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
-    assert_error(server.post("/v1/chat/completions", top_only), 400, "logprobs")
+    assert_error(fake_app.post("/v1/chat/completions", top_only), 400, "logprobs")
 
 
 @pytest.mark.parametrize(
@@ -107,71 +120,71 @@ def test_chat_errors_are_400(server: Any) -> None:
     ],
 )
 def test_unimplemented_features_are_400_not_ignored(
-    server: Any, extra: dict[str, Any], param: str
+    fake_app: InProcessApp, extra: dict[str, Any], param: str
 ) -> None:
     """They were ignored: a request for JSON got free text, with status 200."""
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra}
-    error = assert_error(server.post("/v1/chat/completions", body), 400, param)
+    error = assert_error(fake_app.post("/v1/chat/completions", body), 400, param)
     assert error["param"] == param
 
 
-def test_no_op_values_of_unimplemented_fields_are_fine(server: Any) -> None:
+def test_no_op_values_of_unimplemented_fields_are_fine(fake_app: InProcessApp) -> None:
     """What clients send by default asks for nothing and must keep working."""
     no_ops = {"response_format": {"type": "text"}, "tools": [], "logits_processors": []}
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **no_ops}
-    assert server.post("/v1/chat/completions", body).status_code == 200
+    assert fake_app.post("/v1/chat/completions", body).status_code == 200
     tools = [{"type": "function", "function": {"name": "f"}}]
     body = {"messages": body["messages"], "max_tokens": 2, "tools": tools, "tool_choice": "none"}
-    assert server.post("/v1/chat/completions", body).status_code == 200  # must not call them
+    assert fake_app.post("/v1/chat/completions", body).status_code == 200  # must not call them
     completion = {"prompt": "x", "max_tokens": 2, "response_format": {"type": "text"}}
-    assert server.post("/v1/completions", completion).status_code == 200
+    assert fake_app.post("/v1/completions", completion).status_code == 200
     bad = {"prompt": "x", "max_tokens": 2, "guided_regex": "[a-z]+"}
-    assert assert_error(server.post("/v1/completions", bad), 400)["param"] == "guided_regex"
+    assert assert_error(fake_app.post("/v1/completions", bad), 400)["param"] == "guided_regex"
 
 
-def test_megabyte_prompts_are_400_before_tokenizing(server: Any) -> None:
-    """The server tokenizes prompts itself, so it needs the character bound too (a 20 MB
+def test_megabyte_prompts_are_400_before_tokenizing(fake_app: InProcessApp) -> None:
+    """The fake_app tokenizes prompts itself, so it needs the character bound too (a 20 MB
     prompt took 17 s of tokenizing before its 400)."""
     huge = "ab" * 1_000_000
-    error = assert_error(server.post("/v1/completions", {"prompt": huge}), 400, "characters")
+    error = assert_error(fake_app.post("/v1/completions", {"prompt": huge}), 400, "characters")
     assert error["param"] == "prompt"
     chat = {"messages": [{"role": "user", "content": huge}]}
-    error = assert_error(server.post("/v1/chat/completions", chat), 400, "characters")
+    error = assert_error(fake_app.post("/v1/chat/completions", chat), 400, "characters")
     assert error["param"] == "messages"
 
 
-def test_chat_400s_name_chat_fields(server: Any) -> None:
+def test_chat_400s_name_chat_fields(fake_app: InProcessApp) -> None:
     messages = [{"role": "user", "content": "x"}]
     for field in ("max_tokens", "max_completion_tokens"):
         body = {"messages": messages, field: 5000}
-        assert assert_error(server.post("/v1/chat/completions", body), 400)["param"] == field
+        assert assert_error(fake_app.post("/v1/chat/completions", body), 400)["param"] == field
 
 
-def test_too_long_is_400_naming_both_numbers(server: Any) -> None:
-    num_prompt_tokens = len(server.tokenize(prompt="Once upon a time"))
+def test_too_long_is_400_naming_both_numbers(fake_app: InProcessApp) -> None:
+    num_prompt_tokens = len(fake_app.tokenize(prompt="Once upon a time"))
     max_tokens = 1024 - num_prompt_tokens + 1  # one token too many
     body = {"prompt": "Once upon a time", "max_tokens": max_tokens}
-    response = server.post("/v1/completions", body)
+    response = fake_app.post("/v1/completions", body)
     assert_error(response, 400, f"({num_prompt_tokens} tokens)", f"({max_tokens})", "1024")
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}
-    assert_error(server.post("/v1/chat/completions", chat), 400, "5000", "1024")
+    assert_error(fake_app.post("/v1/chat/completions", chat), 400, "5000", "1024")
     with pytest.raises(openai.BadRequestError):
-        server.client().completions.create(model=server.model, prompt="x", max_tokens=2000)
+        fake_app.client().completions.create(model=fake_app.model, prompt="x", max_tokens=2000)
 
 
-def test_unknown_model_is_404(server: Any) -> None:
-    error = assert_error(server.post("/v1/completions", {"prompt": "x", "model": "gpt-5"}), 404)
+def test_unknown_model_is_404(fake_app: InProcessApp) -> None:
+    error = assert_error(fake_app.post("/v1/completions", {"prompt": "x", "model": "gpt-5"}), 404)
     assert error["param"] == "model" and "gpt-5" in error["message"]
     with pytest.raises(openai.NotFoundError):
-        server.client().chat.completions.create(
+        fake_app.client().chat.completions.create(
             model="gpt-5", messages=[{"role": "user", "content": "x"}]
         )
 
 
-def test_unknown_route_is_openai_shaped_404(server: Any) -> None:
-    assert_error(server.get("/v1/nothing"), 404)
+def test_unknown_route_is_openai_shaped_404(fake_app: InProcessApp) -> None:
+    assert_error(fake_app.get("/v1/nothing"), 404)
 
 
-def test_bad_request_inside_a_stream_request_is_a_plain_400(server: Any) -> None:
+def test_bad_request_inside_a_stream_request_is_a_plain_400(fake_app: InProcessApp) -> None:
     body = {"prompt": "x", "max_tokens": 5000, "stream": True}
-    assert_error(server.post("/v1/completions", body), 400, "5000")
+    assert_error(fake_app.post("/v1/completions", body), 400, "5000")

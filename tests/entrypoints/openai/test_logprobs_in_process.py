@@ -1,19 +1,15 @@
 """Logprob texts, bytes and prompt logprobs through the HTTP API (issue 13 items 3, 4, 6): the
-app of build_app() served in-process (httpx over ASGI) by a real AsyncLLMEngine running the
-bundled stories260k model, whose SentencePiece pieces carry their leading space ("▁there")."""
+app of build_app() served in-process (httpx over ASGI) by the real AsyncLLMEngine of conftest
+(`real_engine`) running the bundled stories260k model, whose SentencePiece pieces carry their
+leading space ("▁there")."""
 
-import asyncio
-import json
-import threading
-from collections.abc import Coroutine, Iterator
 from typing import Any
 
-import httpx
 import pytest
 
-from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
-from pagedserve.entrypoints.openai.api_server import build_app
+
+from .in_process import AppLoop, InProcessApp
 
 # A template for the bundled model, which has none: the messages' text, one per line.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
@@ -27,59 +23,23 @@ CHAT = {
 }  # fmt: skip
 
 
-class App:
-    """The app and its engine on an event loop in a thread; `post` sends one request."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        args = EngineArgs(device="cpu", max_model_len=256, kv_cache_memory_bytes=8 * 2**20)
-        self.engine = AsyncLLMEngine.from_engine_args(args, log_stats=False)
-        app = build_app(self.engine, ["stories"], chat_template=CHAT_TEMPLATE)
-        self.client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://test"
-        )
-        self._run(self._start())
-
-    async def _start(self) -> None:
-        self.engine.start()
-
-    def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=120)
-
-    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        response: httpx.Response = self._run(self.client.post(path, json=body, timeout=120))
-        return response
-
-    def stream(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-        response = self.post(path, {**body, "stream": True})
-        assert response.status_code == 200, response.text
-        events = [block[len("data: ") :] for block in response.text.split("\n\n") if block]
-        assert events[-1] == "[DONE]"
-        return [json.loads(event) for event in events[:-1]]
-
-    def close(self) -> None:
-        self._run(self.client.aclose())
-        self.engine.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
-def app() -> Iterator[App]:
-    running = App()
-    try:
-        yield running
-    finally:
-        running.close()
+def app(app_loop: AppLoop, real_engine: AsyncLLMEngine) -> InProcessApp:
+    return InProcessApp(app_loop, real_engine, "stories", chat_template=CHAT_TEMPLATE)
 
 
-def test_completion_tokens_keep_their_spaces(app: App) -> None:
+def streamed_chunks(app: InProcessApp, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunks of a streamed answer ([DONE] checked and left out)."""
+    events = app.stream_events(path, body)
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def test_completion_tokens_keep_their_spaces(app: InProcessApp) -> None:
     """The issue's request: tokens were [",", "there", "was", ...] for ", there was ..."."""
     for stream in (False, True):
         if stream:
-            chunks = app.stream("/v1/completions", ISSUE_REQUEST)
+            chunks = streamed_chunks(app, "/v1/completions", ISSUE_REQUEST)
             choices = [chunk["choices"][0] for chunk in chunks]
             text = "".join(choice["text"] for choice in choices)
             tokens = [
@@ -95,7 +55,7 @@ def test_completion_tokens_keep_their_spaces(app: App) -> None:
         assert "".join(tokens) == text
 
 
-def test_echo_tokens_and_text_offset_index_the_text(app: App) -> None:
+def test_echo_tokens_and_text_offset_index_the_text(app: InProcessApp) -> None:
     body = {**ISSUE_REQUEST, "echo": True, "logprobs": 2}
     choice = app.post("/v1/completions", body).json()["choices"][0]
     logprobs = choice["logprobs"]
@@ -111,10 +71,10 @@ def test_echo_tokens_and_text_offset_index_the_text(app: App) -> None:
     assert any(t.startswith(" ") and t.strip() for top in logprobs["top_logprobs"][6:] for t in top)
 
 
-def test_chat_tokens_and_bytes_make_the_content(app: App) -> None:
+def test_chat_tokens_and_bytes_make_the_content(app: InProcessApp) -> None:
     for stream in (False, True):
         if stream:
-            chunks = app.stream("/v1/chat/completions", CHAT)
+            chunks = streamed_chunks(app, "/v1/chat/completions", CHAT)
             choices = [chunk["choices"][0] for chunk in chunks]
             content_text = "".join(choice["delta"].get("content") or "" for choice in choices)
             content = [e for c in choices if c.get("logprobs") for e in c["logprobs"]["content"]]
@@ -143,7 +103,7 @@ def _check_prompt_logprobs(prompt_logprobs: Any, prompt_ids: list[int], text: st
     assert "".join(texts) == text
 
 
-def test_prompt_logprobs_are_returned(app: App) -> None:
+def test_prompt_logprobs_are_returned(app: InProcessApp) -> None:
     prompt_ids = app.post("/tokenize", {"prompt": "Once upon a time"}).json()["tokens"]
     body = {"prompt": "Once upon a time", "max_tokens": 2, "prompt_logprobs": 2}
     for _ in range(2):  # the second time the prompt's blocks are in the prefix cache
@@ -159,7 +119,7 @@ def test_prompt_logprobs_are_returned(app: App) -> None:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_prompt_logprobs_with_stream_are_refused(app: App, path: str) -> None:
+def test_prompt_logprobs_with_stream_are_refused(app: InProcessApp, path: str) -> None:
     body = {**(CHAT if "chat" in path else ISSUE_REQUEST), "stream": True, "prompt_logprobs": 1}
     response = app.post(path, body)
     assert response.status_code == 400

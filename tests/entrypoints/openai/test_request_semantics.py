@@ -1,22 +1,21 @@
 """Request semantics of the server, in process (httpx over ASGI against `build_app` with the
-real AsyncLLMEngine on the bundled model, max_model_len 128): the default max_tokens near the
-context limit, empty prompts, chat content parts and `add_special_tokens` (issue 13)."""
+real AsyncLLMEngine of conftest, `real_engine`: the bundled model, max_model_len 128): the
+default max_tokens near the context limit, empty prompts, chat content parts and
+`add_special_tokens` (issue 13)."""
 
-import asyncio
 import json
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from pagedserve import SamplingParams
-from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
-from pagedserve.entrypoints.openai.api_server import build_app
 
-MAX_MODEL_LEN = 128
+from .conftest import REAL_MAX_MODEL_LEN
+from .in_process import AppLoop, InProcessApp
+
+MAX_MODEL_LEN = REAL_MAX_MODEL_LEN  # 128
 BOS = 1  # stories260k's SentencePiece tokenizer adds it
 # A template without BOS, so that add_special_tokens shows as one more token.
 TEMPLATE = (
@@ -25,52 +24,12 @@ TEMPLATE = (
 )
 
 
-class InProcessServer:
-    """The app and its engine on an event loop in a thread; `post` waits for the answer."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        args = EngineArgs(
-            device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=4 * 2**20
-        )
-        self.engine = AsyncLLMEngine.from_engine_args(args, log_stats=False)
-        app = build_app(self.engine, ["stories"], chat_template=TEMPLATE)
-        self.client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60
-        )
-
-    def run(self, coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=120)
-
-    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        response: httpx.Response = self.run(self.client.post(path, json=body))
-        return response
-
-    def tokenize(self, **body: Any) -> list[int]:
-        response = self.post("/tokenize", body)
-        assert response.status_code == 200, response.text
-        tokens: list[int] = response.json()["tokens"]
-        return tokens
-
-    def close(self) -> None:
-        self.run(self.client.aclose())
-        self.engine.shutdown()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[InProcessServer]:
-    server = InProcessServer()
-    try:
-        yield server
-    finally:
-        server.close()
+def server(app_loop: AppLoop, real_engine: AsyncLLMEngine) -> InProcessApp:
+    return InProcessApp(app_loop, real_engine, "stories", chat_template=TEMPLATE)
 
 
-def prompt_of(server: InProcessServer, num_tokens: int) -> str:
+def prompt_of(server: InProcessApp, num_tokens: int) -> str:
     """A text of exactly `num_tokens` tokens (BOS included)."""
     words = "Once upon a time there was a little girl named Lily who liked to play outside."
     for repeat in range(1, 100):
@@ -97,7 +56,7 @@ def stream_usage(response: httpx.Response) -> dict[str, int]:
     return usage
 
 
-def test_left_out_max_tokens_is_capped_to_the_context(server: InProcessServer) -> None:
+def test_left_out_max_tokens_is_capped_to_the_context(server: InProcessApp) -> None:
     """120 prompt tokens of 128: the default 16 becomes 8; a sent max_tokens must fit."""
     prompt = prompt_of(server, 120)
     body = {"prompt": prompt, "ignore_eos": True, "temperature": 0}
@@ -116,7 +75,7 @@ def test_left_out_max_tokens_is_capped_to_the_context(server: InProcessServer) -
     assert short["usage"]["completion_tokens"] == 16
 
 
-def test_left_out_chat_max_tokens_fills_the_context(server: InProcessServer) -> None:
+def test_left_out_chat_max_tokens_fills_the_context(server: InProcessApp) -> None:
     content = prompt_of(server, 110)
     body = {"messages": [{"role": "user", "content": content}], "ignore_eos": True}
     usage = server.post("/v1/chat/completions", body).json()["usage"]
@@ -126,7 +85,7 @@ def test_left_out_chat_max_tokens_fills_the_context(server: InProcessServer) -> 
         error_of(server.post("/v1/chat/completions", too_many), field)
 
 
-def test_async_engine_default_max_tokens_and_empty_text(server: InProcessServer) -> None:
+def test_async_engine_default_max_tokens_and_empty_text(server: InProcessApp) -> None:
     prompt = {"prompt_token_ids": [BOS] + [300] * 119}
     params = SamplingParams(ignore_eos=True, temperature=0)
 
@@ -142,7 +101,7 @@ def test_async_engine_default_max_tokens_and_empty_text(server: InProcessServer)
     assert empty.prompt_token_ids == [BOS] and empty.finished
 
 
-def test_empty_prompt_is_one_bos_token(server: InProcessServer) -> None:
+def test_empty_prompt_is_one_bos_token(server: InProcessApp) -> None:
     assert server.tokenize(prompt="") == [BOS]
     body = {"prompt": "", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     response = server.post("/v1/completions", body)
@@ -160,7 +119,7 @@ def test_empty_prompt_is_one_bos_token(server: InProcessServer) -> None:
     assert "empty" in error_of(server.post("/v1/completions", {"prompt": [[]]}), "prompt")
 
 
-def test_chat_add_special_tokens(server: InProcessServer) -> None:
+def test_chat_add_special_tokens(server: InProcessApp) -> None:
     """vLLM's definition: special tokens (BOS) added on top of the template's when encoding
     the rendered text; chat and /tokenize default to False."""
     messages = [{"role": "user", "content": "Hi"}]
@@ -174,7 +133,7 @@ def test_chat_add_special_tokens(server: InProcessServer) -> None:
     assert with_bos["usage"]["prompt_tokens"] == len(plain) + 1
 
 
-def test_chat_content_parts_and_other_shapes(server: InProcessServer) -> None:
+def test_chat_content_parts_and_other_shapes(server: InProcessApp) -> None:
     parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
     as_parts = server.tokenize(messages=[{"role": "user", "content": parts}])
     assert as_parts == server.tokenize(messages=[{"role": "user", "content": "Hi\nthere"}])
@@ -189,7 +148,7 @@ def test_chat_content_parts_and_other_shapes(server: InProcessServer) -> None:
         assert "'image_url'" in message and "content[1]" in message
 
 
-def test_a_request_chat_template_is_refused_on_tokenize_too(server: InProcessServer) -> None:
+def test_a_request_chat_template_is_refused_on_tokenize_too(server: InProcessApp) -> None:
     """/tokenize used the server's template silently; chat refused the field with a 400."""
     body = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ 'x' }}"}
     for path in ("/v1/chat/completions", "/tokenize"):

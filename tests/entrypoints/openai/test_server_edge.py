@@ -1,63 +1,35 @@
-"""The server's edge, in process (httpx over ASGI against `build_app` with the real
-AsyncLLMEngine on the bundled stories260k model): what runs off the event loop, request
-validation that needs no generation, and error bodies."""
+"""The server's edge, in process (httpx over ASGI against `build_app`), on the fake engine
+with the bundled stories260k model's tokenizer (the real tokenizing and validation): what runs
+off the event loop, request validation that needs no generation, and error bodies; the
+schema fuzzing runs on the real engine (`real_engine`)."""
 
 import asyncio
-import json
 import threading
-from collections.abc import Coroutine, Iterator
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.entrypoints.openai.api_server import build_app
+
+from .in_process import AppLoop, InProcessApp
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
-class InProcess:
-    """One engine, its app and one event loop for all the module's tests (the engine's
-    methods must be called from one loop)."""
-
-    def __init__(self, **app_kwargs: Any) -> None:
-        self.loop = asyncio.new_event_loop()
-        args = EngineArgs(device="cpu", kv_cache_memory_bytes=8 * 2**20)
-        self.engine = AsyncLLMEngine.from_engine_args(args, log_stats=False)
-        self.app = build_app(self.engine, ["stories"], chat_template=TEMPLATE, **app_kwargs)
-        self.tokenizer = self.engine.get_tokenizer()
-
-    def client(self) -> httpx.AsyncClient:
-        transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)
-        return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60)
-
-    def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        return self.loop.run_until_complete(coroutine)
-
-    def post(self, path: str, body: Any) -> httpx.Response:
-        async def post() -> httpx.Response:
-            self.engine.start()
-            async with self.client() as client:
-                return await client.post(path, json=body)
-
-        return self.run(post())
-
-    def close(self) -> None:
-        self.engine.shutdown()
-        self.loop.run_until_complete(asyncio.sleep(0.1))  # let the cancelled tasks end
-        self.loop.close()
+@pytest.fixture
+def server(fake_app_factory: Callable[..., InProcessApp]) -> InProcessApp:
+    """The fake engine with the bundled model's tokenizer and context (512 tokens)."""
+    return fake_app_factory("stories260k", engine={"max_model_len": 512}, chat_template=TEMPLATE)
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[InProcess]:
-    running = InProcess()
-    try:
-        yield running
-    finally:
-        running.close()
+def real_server(app_loop: AppLoop, real_engine: AsyncLLMEngine) -> InProcessApp:
+    return InProcessApp(app_loop, real_engine, "stories", chat_template=TEMPLATE)
 
 
 def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
@@ -70,7 +42,7 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("options", [{"include_usage": True}, {"include_usage": False}])
 def test_stream_options_without_stream_is_400(
-    server: InProcess, path: str, options: dict[str, Any]
+    server: InProcessApp, path: str, options: dict[str, Any]
 ) -> None:
     """It was accepted and ignored; vLLM refuses it ("only when stream=True")."""
     body: dict[str, Any] = {"max_tokens": 2, "stream": False, "stream_options": options}
@@ -118,15 +90,14 @@ class Gate:
     ],
 )
 def test_health_answers_while_a_request_tokenizes(
-    server: InProcess, path: str, body: dict[str, Any], method: str
+    server: InProcessApp, path: str, body: dict[str, Any], method: str
 ) -> None:
     """A 4.8 MB /tokenize held /health for seconds: the handler tokenized on the event loop.
     Here the tokenizer call blocks until /health has answered; on the loop it could not."""
     events: list[str] = []
 
     async def scenario() -> httpx.Response:
-        server.engine.start()
-        async with server.client() as client:
+        async with server.async_http() as client:
             slow = asyncio.create_task(client.post(path, json=body))
             while not gate.entered.is_set() and not slow.done():
                 await asyncio.sleep(0.01)
@@ -135,14 +106,14 @@ def test_health_answers_while_a_request_tokenizes(
             gate.opened.set()
             return await slow
 
-    with Gate(server.tokenizer, method, events) as gate:
+    with Gate(server.engine.get_tokenizer(), method, events) as gate:
         response = server.run(scenario())
     assert response.status_code == 200, response.text
     assert events[:2] == ["health 200", f"{method} done"], events
 
 
 def test_500_bodies_hide_the_exception(
-    server: InProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    server: InProcessApp, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A 500 carried `internal error: RuntimeError('...')`: file paths, other requests'
     state. The client gets a plain line; the log the exception."""
@@ -150,7 +121,7 @@ def test_500_bodies_hide_the_exception(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("secret /srv/path detail")
 
-    monkeypatch.setattr(server.tokenizer, "decode", broken)
+    monkeypatch.setattr(server.engine.get_tokenizer(), "decode", broken)
     error = error_of(server.post("/detokenize", {"tokens": [5]}), 500)
     assert "secret" not in error["message"] and "RuntimeError" not in error["message"]
     assert "internal server error" in error["message"]
@@ -164,7 +135,7 @@ def test_500_bodies_hide_the_exception(
         {"chat_template_kwargs": {"conversation": []}},
     ],
 )
-def test_chat_template_400s_name_no_internals(server: InProcess, extra: dict[str, Any]) -> None:
+def test_chat_template_400s_name_no_internals(server: InProcessApp, extra: dict[str, Any]) -> None:
     body = {"messages": MESSAGES, "max_tokens": 2, **extra}
     for path in ("/v1/chat/completions", "/tokenize"):
         error = error_of(server.post(path, body), 400)
@@ -183,9 +154,9 @@ def test_template_raise_exception_message_reaches_the_user() -> None:
     assert "dict object" not in str(other)
 
 
-def test_405_carries_allow(server: InProcess) -> None:
+def test_405_carries_allow(server: InProcessApp) -> None:
     async def put() -> httpx.Response:
-        async with server.client() as client:
+        async with server.async_http() as client:
             return await client.put("/v1/completions", json={})
 
     response = server.run(put())
@@ -193,7 +164,7 @@ def test_405_carries_allow(server: InProcess) -> None:
     assert response.headers["allow"] == "POST"
 
 
-def test_openapi_documents_what_the_server_answers(server: InProcess) -> None:
+def test_openapi_documents_what_the_server_answers(server: InProcessApp) -> None:
     schema = server.app.openapi()
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():
@@ -202,7 +173,7 @@ def test_openapi_documents_what_the_server_answers(server: InProcess) -> None:
     assert not health.get("content")  # as vLLM: an empty body
 
     async def get_health() -> httpx.Response:
-        async with server.client() as client:
+        async with server.async_http() as client:
             return await client.get("/health")
 
     response = server.run(get_health())
@@ -210,7 +181,7 @@ def test_openapi_documents_what_the_server_answers(server: InProcess) -> None:
 
 
 def test_schema_fuzzing_finds_no_5xx_and_no_undocumented_answer(
-    server: InProcess, monkeypatch: pytest.MonkeyPatch
+    real_server: InProcessApp, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """schemathesis over /openapi.json, a few examples per operation, valid and invalid:
     no 5xx, and every status, content type, header and body as documented."""
@@ -234,7 +205,7 @@ def test_schema_fuzzing_finds_no_5xx_and_no_undocumented_answer(
         response_headers_conformance,
         response_schema_conformance,
     ]
-    schema = schemathesis.openapi.from_dict(server.app.openapi())
+    schema = schemathesis.openapi.from_dict(real_server.app.openapi())
     fuzz_settings = settings(
         max_examples=10,
         deadline=None,
@@ -246,7 +217,6 @@ def test_schema_fuzzing_finds_no_5xx_and_no_undocumented_answer(
     seen: set[int] = set()
 
     async def send(kwargs: dict[str, Any]) -> httpx.Response:
-        server.engine.start()
         body = kwargs.get("json")
         if isinstance(body, dict) and "v1" in kwargs["url"]:
             # Generation length is not what is fuzzed: keep it short (chat's default is the
@@ -256,7 +226,7 @@ def test_schema_fuzzing_finds_no_5xx_and_no_undocumented_answer(
                     body[name] = 8
             if body.get("max_completion_tokens") is None:
                 body.setdefault("max_tokens", 8)
-        async with server.client() as client:
+        async with real_server.async_http() as client:
             return await client.request(
                 kwargs["method"],
                 kwargs["url"],
@@ -273,7 +243,7 @@ def test_schema_fuzzing_finds_no_5xx_and_no_undocumented_answer(
             @fuzz_settings
             @given(case=operation.as_strategy(generation_mode=mode))
             def check(case: Any) -> None:
-                response = server.run(send(case.as_transport_kwargs(base_url="http://test")))
+                response = real_server.run(send(case.as_transport_kwargs(base_url="http://test")))
                 seen.add(response.status_code)
                 case.validate_response(response, checks=checks)
 
@@ -298,7 +268,7 @@ MEGABYTES = "hello " * 350_000  # 2.1 MB: under the body limit, far over max_mod
     ],
 )
 def test_megabyte_prompts_are_400_before_tokenizing(
-    server: InProcess, path: str, body: dict[str, Any], param: str | None
+    server: InProcessApp, path: str, body: dict[str, Any], param: str | None
 ) -> None:
     """The bundled model's tokenizer (fuse_unk, with byte fallback) had no bound: such a
     prompt was tokenized in full (20 MB: 24 s and 2.9 GB) before its 400, on every path."""
@@ -307,7 +277,7 @@ def test_megabyte_prompts_are_400_before_tokenizing(
     assert error["param"] == (param or "messages")
 
 
-def test_body_over_the_limit_is_413_with_or_without_content_length(server: InProcess) -> None:
+def test_body_over_the_limit_is_413_with_or_without_content_length(server: InProcessApp) -> None:
     small = build_app(server.engine, ["stories"], max_request_body_bytes=1000)
     big = {"prompt": "x" * 2000, "max_tokens": 2}
 
@@ -330,45 +300,19 @@ def test_body_over_the_limit_is_413_with_or_without_content_length(server: InPro
     assert fine.status_code == 200, fine.text
 
 
-def test_tokenizing_stops_when_the_client_is_gone(server: InProcess) -> None:
+def test_tokenizing_stops_when_the_client_is_gone(server: InProcessApp) -> None:
     """A request's tokenizing went on after its client left (18 minutes for one prompt).
     Here the first of three prompts is held in the tokenizer while the client disconnects:
     the handler returns at once and the other two prompts are never tokenized."""
     events: list[str] = []
-    body = json.dumps({"prompt": ["Once", "upon", "a"], "max_tokens": 2}).encode()
-    gone = asyncio.Event()
-    sent: list[Any] = []
-
-    async def receive() -> dict[str, Any]:
-        if not sent:
-            sent.append(None)
-            return {"type": "http.request", "body": body, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-        "root_path": "", "query_string": b"", "server": ("test", 80), "client": ("c", 1),
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
-    }  # fmt: skip
-
-    async def scenario() -> None:
-        server.engine.start()
-        call = asyncio.create_task(server.app(scope, receive, send))
-        while not gate.entered.is_set():
-            await asyncio.sleep(0.01)
-        gone.set()
-        await call  # returns while the tokenizer still holds the first prompt
+    body = {"prompt": ["Once", "upon", "a"], "max_tokens": 2}
+    with Gate(server.engine.get_tokenizer(), "encode", events) as gate:
+        # Returns while the tokenizer still holds the first prompt.
+        server.call_and_leave("/v1/completions", body, lambda sent: gate.entered.is_set())
         events.append("handler returned")
         gate.opened.set()
-        while len(events) < 2:  # the thread finishes the first prompt, then stops
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)  # room for a (wrong) second encode to show up
-
-    with Gate(server.tokenizer, "encode", events) as gate:
-        server.run(scenario())
+        deadline = time.monotonic() + 20.0
+        while len(events) < 2 and time.monotonic() < deadline:  # the first prompt ends
+            time.sleep(0.01)
+        time.sleep(0.2)  # room for a (wrong) second encode to show up
     assert events == ["handler returned", "encode done"], events
