@@ -34,7 +34,8 @@ import pytest
 import torch
 import transformers
 
-from pagedserve.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from pagedserve.config import DEFAULT_MODEL
+from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.llm_engine import load_tokenizer
 
