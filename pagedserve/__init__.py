@@ -1,4 +1,9 @@
-"""pagedserve: high-throughput LLM inference with PagedAttention and vLLM's interfaces."""
+"""pagedserve: high-throughput LLM inference with PagedAttention and vLLM's interfaces.
+
+Import rule: the root facade imports leaf modules (outputs, sampling_params, version) at once
+and `LLM` / `AsyncLLMEngine` lazily; it is the only module outside entrypoints that imports
+entrypoints.
+"""
 
 from typing import Any
 

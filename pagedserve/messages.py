@@ -14,7 +14,8 @@ wire), and SamplingParams, a dataclass, a map of its fields by name:
     core -> server (`ToServer`): EngineCoreOutputs, EngineCoreError
 
 `encode` encodes either direction; `decode_to_core` / `decode_to_server` decode one direction
-and raise msgspec.ValidationError (a ValueError) for anything else.
+and raise msgspec.DecodeError (a ValueError) for anything else: its subclass
+msgspec.ValidationError for well-formed msgpack that is not such a message.
 """
 
 from typing import Any
@@ -139,16 +140,19 @@ _to_server_decoder = msgspec.msgpack.Decoder(ToServer)
 
 
 def encode(message: ToCore | ToServer) -> bytes:
-    """The message as msgpack bytes. Raises TypeError for a value msgpack cannot hold."""
+    """The message as msgpack bytes. Raises NotImplementedError for a value of a type msgpack
+    cannot hold (from `_enc_hook`), OverflowError for an int outside [-2**63, 2**64)."""
     return _encoder.encode(message)
 
 
 def decode_to_core(data: bytes) -> ToCore:
-    """A server -> core message. Raises msgspec.ValidationError for anything else (decoding
-    runs SamplingParams' validation too)."""
+    """A server -> core message. Raises msgspec.ValidationError for another message or invalid
+    fields (decoding runs SamplingParams' validation too), msgspec.DecodeError (its base) for
+    bytes that are not msgpack."""
     return _to_core_decoder.decode(data)
 
 
 def decode_to_server(data: bytes) -> ToServer:
-    """A core -> server message. Raises msgspec.ValidationError for anything else."""
+    """A core -> server message. Raises msgspec.ValidationError for another message,
+    msgspec.DecodeError (its base) for bytes that are not msgpack."""
     return _to_server_decoder.decode(data)

@@ -69,7 +69,8 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
         # Tokens being sampled by steps in flight (async scheduling): scheduled past, but not
-        # in `all_token_ids` yet. 0 whenever the engine runs one step at a time.
+        # in `all_token_ids` yet: at most 2 (the step in flight's and the one just scheduled);
+        # 0 between steps when the engine runs one step at a time.
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 = not yet
         self.num_preemptions = 0

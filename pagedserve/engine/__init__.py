@@ -6,6 +6,7 @@ its process and client for the server (`core_proc.py`, `core_client.py`), `LLMEn
 engine options (`arg_utils.EngineArgs`).
 
 Import rule: engine imports scheduler, kv_cache, executor (through `executor.factory`),
-messages, metrics, the leaf modules and `models.registry`; never worker, models' code, layers,
-attention or entrypoints. The API server's process imports engine but no model code.
+messages, metrics, request, step, process_start, the leaf modules and `models.registry`; never
+worker, models' code, layers, attention or entrypoints. The API server's process imports
+engine but no model code.
 """

@@ -61,8 +61,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks that starts the request's tokens, and its length
-        in tokens. The last token is never a hit: the model must run on it to sample. None
-        for a request that must compute all its tokens (`skip_reading_prefix_cache`)."""
+        in tokens. The last token is never a hit: the model must run on it to sample. No hits
+        ([], 0) for a request that must compute all its tokens (`skip_reading_prefix_cache`)."""
         if not self._is_cacheable(request) or request.skip_reading_prefix_cache:
             return [], 0
         hashes = self._block_hashes(request)

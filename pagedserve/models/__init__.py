@@ -3,5 +3,6 @@
 torch-free) and the safetensors weight loader (`loader`).
 
 Import rule: models imports layers, attention, distributed and the leaf modules; never worker,
-executor or engine (the engine and the server import only `models.registry`).
+executor or engine (the engine imports only `models.registry`, to check an architecture;
+entrypoints import nothing of models).
 """

@@ -1,11 +1,11 @@
 """Start-up of a rank's ModelRunner: device and dtype, model loading, KV cache sizing (memory
 profiling on a GPU) and allocation, CUDA graph capture and warm-up.
 
-The Worker calls these once, in this order: `load_model(runner)`; `kv_block_bytes(runner)`
-and `determine_num_blocks(runner)` (the executor takes the minimum over the ranks); then
-`initialize_kv_cache(runner, num_blocks)`. From then on the runner only runs steps. The
-functions fill in the runner's `model`, `model_dtype`, `attention_layers`, `kv_caches` and
-`cuda_graphs`.
+The Worker calls these once, in this order: `load_model(runner)`; `determine_num_blocks(runner)`
+(the executor takes the minimum over the ranks); then `initialize_kv_cache(runner, num_blocks)`.
+`kv_block_bytes(runner)` may be asked any time after loading. From then on the runner only
+runs steps. The functions fill in the runner's `model`, `model_dtype`, `attention_layers`,
+`kv_caches` and `cuda_graphs`.
 """
 
 import logging
