@@ -168,7 +168,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = option(
         help="token budget of one engine step (prefill chunks + decodes)",
         default_text="8192; 16384 for the offline LLM class on GPUs with >= 70 GiB other than "
-        "the A100, as vLLM",
+        "the A100, as vLLM; at least max_num_seqs",
     )
     enable_chunked_prefill: bool = option(
         True, help="split prompts longer than the remaining budget over several steps"

@@ -28,8 +28,8 @@ from pagedserve.sampling_params import SamplingParams
 class SampleLogprobsData(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Logprobs of one sampled position: the sampled token first, then the top-k."""
 
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: list[int]  # [1 + k]
+    logprobs: list[float]  # [1 + k] natural log (after penalties and temperature: see Sampler)
     sampled_rank: int  # 1 = the most likely token
 
 
@@ -52,7 +52,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     id that matched). `prompt_logprobs`: of the prompt chunk computed this step."""
 
     request_id: str
-    new_token_ids: list[int]
+    new_token_ids: list[int]  # 0 or 1 tokens (nothing when only prompt logprobs came)
     logprobs: SampleLogprobsData | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -128,6 +128,7 @@ class EngineArgs:
 
     @classmethod
     def field_names(cls) -> list[str]:
+        """The engine options' names, in declaration order (= the config fields they mirror)."""
         return [f.name for f in fields(cls)]
 
     def create_engine_config(self, usage_context: str = "engine_context") -> EngineConfig:
@@ -254,6 +255,8 @@ def read_eos_token_ids(model: str, hf_config: Any) -> tuple[int, ...]:
 
 
 def engine_args_from_namespace(namespace: Any) -> EngineArgs:
+    """EngineArgs from parsed CLI flags (an argparse Namespace); attributes that are not
+    engine options (server flags) are ignored. Raises what EngineArgs raises (ValueError)."""
     values = {
         name: getattr(namespace, name)
         for name in EngineArgs.field_names()

@@ -76,9 +76,12 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish these requests as aborted and free their blocks; unknown ids are skipped."""
         self.scheduler.abort_requests(request_ids)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Finish these requests with `status` (a finished one: a stop string matched on the
+        caller's side is FINISHED_STOPPED) and free their blocks."""
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
@@ -125,6 +128,7 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def stats(self) -> SchedulerStats:
+        """The scheduler's state now (queue lengths, KV cache usage, cumulative counters)."""
         return SchedulerStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,

@@ -64,9 +64,12 @@ class RankGroupExecutor(ABC):
         return min(num_blocks)
 
     def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks on every rank (then graphs and warm-up)."""
         self._call("initialize_cache", num_blocks, timeout_s=STARTUP_TIMEOUT_S)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank and wait; rank 0's sampled tokens (every rank samples the
+        same ones). Raises EngineDeadError as `_call`."""
         output: ModelRunnerOutput = self._call(
             "execute_model", scheduler_output, timeout_s=self.timeout_s
         )[0]

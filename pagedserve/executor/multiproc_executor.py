@@ -107,10 +107,12 @@ class MultiprocExecutor(RankGroupExecutor):
 
     @property
     def worker_pids(self) -> list[int]:
+        """The workers' process ids in rank order (-1 for one not started)."""
         return [w.process.pid or -1 for w in self.workers]
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one KV block on one rank (as every rank reported at start-up)."""
         return self._block_bytes
 
     def shutdown(self) -> None:

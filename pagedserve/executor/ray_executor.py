@@ -43,15 +43,19 @@ class RayWorker:
         return get_ip(), get_open_port()
 
     def pid(self) -> int:
+        """The actor's process id."""
         return os.getpid()
 
     def start(self, config: EngineConfig, rank: int, distributed_init_method: str) -> int:
+        """Create this rank's Worker (device, process group, model); returns its KV block's
+        size in bytes."""
         # Ray shows each actor only its own GPU (CUDA_VISIBLE_DEVICES): it is cuda:0.
         self.worker = Worker(config, rank, 0, distributed_init_method)
         block_bytes: int = self.worker.block_bytes
         return block_bytes
 
     def call(self, method: str, *args: Any) -> Any:
+        """Run the Worker's `method(*args)` (the executor's remote call)."""
         return getattr(self.worker, method)(*args)
 
 
@@ -117,6 +121,7 @@ class RayExecutor(RankGroupExecutor):
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one KV block on one rank (as every rank reported at start-up)."""
         return self._block_bytes
 
     def worker_pids(self) -> list[int]:
