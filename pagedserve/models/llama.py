@@ -185,6 +185,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    supports_quantization: ClassVar[bool] = True  # its linears take the loader's method
     # (our parameter name part, checkpoint name part, shard id)
     stacked_params_mapping: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
         (".qkv_proj", ".q_proj", "q"),
