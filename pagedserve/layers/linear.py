@@ -87,7 +87,10 @@ def _load_shared(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     if not getattr(param, "shared_loaded", False):
         default_weight_loader(param, loaded_weight)
         param.shared_loaded = True  # type: ignore[attr-defined]
-    elif not torch.equal(param.data, loaded_weight.to(param.dtype)):
+        return
+    other = torch.empty_like(param.data)
+    other.copy_(loaded_weight)  # also reads a lazy SafetensorsSlice
+    if not torch.equal(param.data, other):
         raise ValueError(
             "the fused projections of this layer have different tensors where one is shared "
             "(e.g. act-order g_idx of q/k/v or gate/up): they must be quantized alike"

@@ -169,3 +169,17 @@ def test_llm_greedy_on_gptq_equals_transformers_on_the_dequantized_model(
         assert llm.llm_engine.config.model_config.quantization == "gptq"
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize("desc_act", [True, False])
+def test_tensor_parallel_gptq_matches_single_rank(tmp_path: Path, desc_act: bool) -> None:
+    """TP=2 (worker processes) on a GPTQ checkpoint gives TP=1's greedy tokens and logprobs:
+    q/k/v and gate/up split N (qzeros by pack), o/down split K (act-order: all groups on each
+    rank; else each rank its groups)."""
+    from tests.distributed._helpers import assert_same_outputs, greedy_outputs, save_tiny_model
+
+    float_path = save_tiny_model("llama_gqa", tmp_path / "float")
+    gptq = tmp_path / "gptq"
+    write_gptq_checkpoint(float_path, gptq, tmp_path / "dequantized", 4, 32, desc_act, False)
+    expected = greedy_outputs(gptq)
+    assert_same_outputs(greedy_outputs(gptq, tensor_parallel_size=2), expected)
