@@ -15,8 +15,9 @@ from torch import nn
 
 from pagedserve.distributed.comm import tensor_model_parallel_all_reduce
 from pagedserve.distributed.parallel_state import get_tp_rank, get_tp_size
-from pagedserve.layers.quantization import current_linear_method
+from pagedserve.layers.quantization import get_linear_method
 from pagedserve.layers.quantization.base import set_weight_attrs
+from pagedserve.quant_config import QuantizationConfig
 
 __all__ = ["set_weight_attrs"]
 
@@ -99,8 +100,8 @@ def _load_shared(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
 
 class LinearBase(nn.Module):
     """y = x W^T + b, W [output_size, input_size] as stored on this rank, in the parameters
-    of the layer's linear method (`self.quant_method`, taken from the quantization scope the
-    model is built in)."""
+    of the layer's linear method (`self.quant_method`: `quant_config`'s, unquantized for None;
+    the model passes its quantization config down to every linear, as in vLLM)."""
 
     def __init__(
         self,
@@ -109,11 +110,12 @@ class LinearBase(nn.Module):
         bias: bool,
         output_partition_sizes: list[int] | None = None,  # per rank, of fused outputs
         full_sizes: tuple[int, int] | None = None,  # (input_size, output_size) over ranks
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
-        self.quant_method = current_linear_method()
+        self.quant_method = get_linear_method(quant_config)
         self.quant_method.create_weights(
             self,
             input_size,
@@ -155,10 +157,16 @@ class ColumnParallelLinear(LinearBase):
         output_size: int,
         bias: bool = False,
         output_partition_sizes: list[int] | None = None,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         per_rank = divide(output_size, get_tp_size(), "output_size")
         super().__init__(
-            input_size, per_rank, bias, output_partition_sizes, (input_size, output_size)
+            input_size,
+            per_rank,
+            bias,
+            output_partition_sizes,
+            (input_size, output_size),
+            quant_config,
         )
         self.input_size = input_size
         self.output_size = output_size  # total over ranks
@@ -183,11 +191,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     time with `weight_loader(param, loaded_weight, shard_id)`, shard_id = index in output_sizes.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         self.output_sizes = list(output_sizes)
         tp_size = get_tp_size()
         per_rank = [divide(size, tp_size, "each merged output size") for size in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, per_rank)
+        super().__init__(input_size, sum(output_sizes), bias, per_rank, quant_config)
 
     def weight_loader(  # type: ignore[override]
         self,
@@ -220,6 +234,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int | None = None,
         bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         tp_size = get_tp_size()
         total_num_kv_heads = total_num_kv_heads or total_num_heads
@@ -239,7 +254,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_dim  # per rank
         output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_dim
         per_rank = [self.q_size, self.kv_size, self.kv_size]
-        super().__init__(hidden_size, output_size, bias, per_rank)
+        super().__init__(hidden_size, output_size, bias, per_rank, quant_config)
 
     def weight_loader(  # type: ignore[override]
         self,
@@ -268,9 +283,15 @@ class RowParallelLinear(LinearBase):
     n = input_size / tp_size, takes a sharded input and all-reduces the partial sums.
     The bias is replicated and added once (by rank 0, before the reduction)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         per_rank = divide(input_size, get_tp_size(), "input_size")
-        super().__init__(per_rank, output_size, bias, None, (input_size, output_size))
+        super().__init__(per_rank, output_size, bias, None, (input_size, output_size), quant_config)
         self.input_size = input_size  # total over ranks
         self.output_size = output_size
 

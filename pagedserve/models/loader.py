@@ -14,7 +14,6 @@ from pagedserve.config import LOAD_FORMATS
 from pagedserve.distributed.parallel_state import get_tp_size
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.norm import RMSNorm
-from pagedserve.layers.quantization import use_quant_config
 from pagedserve.models.registry import get_model_class
 from pagedserve.quant_config import get_quantization_config
 
@@ -60,8 +59,8 @@ def load_model(
             )
         quant_config = get_quantization_config(quantization, hf_config)
     files = [] if load_format == "dummy" else find_safetensors_files(model_path)
-    with _default_dtype(dtype), torch.device(device), use_quant_config(quant_config):
-        model = model_cls(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config) if quant_config is None else model_cls(hf_config, quant_config)
     model.requires_grad_(False)
     with torch.no_grad():
         if load_format == "dummy":

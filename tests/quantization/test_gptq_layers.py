@@ -14,7 +14,7 @@ from pagedserve.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from pagedserve.layers.quantization import GPTQLinearMethod, use_quant_config
+from pagedserve.layers.quantization import GPTQLinearMethod
 from pagedserve.quant_config import GPTQ_BITS, GPTQ_GROUP_SIZES, GPTQConfig
 from tests.models.test_models import _as_rank, no_collectives  # noqa: F401 (a fixture)
 
@@ -41,8 +41,7 @@ def test_dequantized_weight_is_the_packers_grid(
     torch.manual_seed(0)
     weight = torch.randn(N, K)
     packed = quantize(weight, bits, group_size, desc_act, sym, torch.randperm(K))
-    with use_quant_config(config(bits, group_size, desc_act, sym)):
-        layer = ColumnParallelLinear(K, N)
+    layer = ColumnParallelLinear(K, N, quant_config=config(bits, group_size, desc_act, sym))
     load(layer, packed)
     assert isinstance(layer.quant_method, GPTQLinearMethod)
     assert torch.equal(layer.quant_method.dequantize(layer), packed.dequantized.T)
@@ -76,8 +75,8 @@ def test_row_parallel_shards_sum_to_the_full_layer(
     quant = config(4, group_size, desc_act, False)
     total = torch.zeros_like(expected)
     for rank in range(tp_size):
-        with _as_rank(rank, tp_size), use_quant_config(quant):
-            layer = RowParallelLinear(K, N)
+        with _as_rank(rank, tp_size):
+            layer = RowParallelLinear(K, N, quant_config=quant)
             load(layer, packed)
             groups = 1 if group_size == -1 else K // group_size
             assert layer.scales.shape[0] == (groups if desc_act else groups // tp_size or 1)
@@ -99,8 +98,8 @@ def test_qkv_and_merged_shards_concatenate_to_the_full_projections(tp_size: int)
     quant = config(4, 64, True, False)
     outs: dict[str, list[torch.Tensor]] = {s: [] for s in sizes}
     for rank in range(tp_size):
-        with _as_rank(rank, tp_size), use_quant_config(quant):
-            qkv = QKVParallelLinear(K, head_dim, heads, kv_heads)
+        with _as_rank(rank, tp_size):
+            qkv = QKVParallelLinear(K, head_dim, heads, kv_heads, quant_config=quant)
             for shard_id, p in packed.items():
                 load(qkv, p, shard_id)
             q, k, v = qkv(x).split([qkv.q_size, qkv.kv_size, qkv.kv_size], dim=-1)
@@ -112,8 +111,10 @@ def test_qkv_and_merged_shards_concatenate_to_the_full_projections(tp_size: int)
     gate, up = (quantize(torch.randn(96, K), 8, 32, False, True) for _ in range(2))
     halves = []
     for rank in range(tp_size):
-        with _as_rank(rank, tp_size), use_quant_config(config(8, 32, False, True)):
-            merged = MergedColumnParallelLinear(K, [96, 96])
+        with _as_rank(rank, tp_size):
+            merged = MergedColumnParallelLinear(
+                K, [96, 96], quant_config=config(8, 32, False, True)
+            )
             load(merged, gate, 0)
             load(merged, up, 1)
             halves.append(merged(x).chunk(2, dim=-1))
@@ -124,8 +125,7 @@ def test_qkv_and_merged_shards_concatenate_to_the_full_projections(tp_size: int)
 def test_fused_projections_with_different_act_orders_are_refused() -> None:
     q = quantize(torch.randn(64, K), 4, 64, True, False, torch.randperm(K))
     k = quantize(torch.randn(32, K), 4, 64, True, False, torch.randperm(K))
-    with use_quant_config(config(4, 64, True, False)):
-        qkv = QKVParallelLinear(K, 16, 4, 2)
+    qkv = QKVParallelLinear(K, 16, 4, 2, quant_config=config(4, 64, True, False))
     load(qkv, q, "q")
     with pytest.raises(ValueError, match="g_idx"):
         load(qkv, k, "k")
@@ -134,7 +134,6 @@ def test_fused_projections_with_different_act_orders_are_refused() -> None:
 def test_a_shard_that_splits_a_group_is_refused() -> None:
     with (
         _as_rank(0, 4),
-        use_quant_config(config(4, 128, False, True)),
         pytest.raises(ValueError, match="group_size 128.*tensor parallel size"),
     ):
-        RowParallelLinear(256, 64)
+        RowParallelLinear(256, 64, quant_config=config(4, 128, False, True))
