@@ -4,7 +4,7 @@ Each user-facing engine option is a field declared here with `option(...)`: its 
 help text and its validation (the class's `__post_init__`) live on that field and nowhere else.
 `EngineArgs` (engine/arg_utils.py), the CLI flags and the README's option table are generated
 from these fields. Import rule: a leaf; imports nothing from pagedserve (torch only lazily, to
-check a CUDA device).
+check a CUDA device), and the torch-free leaf `pagedserve.quant_config`.
 """
 
 import dataclasses
@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any
+
+from pagedserve.quant_config import QUANTIZATION_METHODS
 
 DEFAULT_MODEL = str(files("pagedserve.assets") / "stories260k")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
@@ -87,6 +89,12 @@ class ModelConfig:
     load_format: str = option(
         "auto", help="auto/safetensors (read weights) or dummy (random weights)"
     )
+    quantization: str | None = option(
+        help="weight quantization of the checkpoint: gptq (awq, fp8 and compressed-tensors "
+        "are recognised but not implemented yet)",
+        default_text="config.json's quantization_config.quant_method; none if absent",
+        cli={"choices": QUANTIZATION_METHODS},
+    )
     hf_config: Any
     eos_token_ids: tuple[int, ...]
 
@@ -99,6 +107,10 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}"
+            )
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         model_max_len = get_model_max_len(self.hf_config)

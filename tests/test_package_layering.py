@@ -80,6 +80,7 @@ LEAVES = {
     "pagedserve.beam_search_params",
     "pagedserve.sampling_params",
     "pagedserve.config",
+    "pagedserve.quant_config",
     "pagedserve.outputs",
 }
 # Never import torch (anywhere in their body, except config's device check): their tests run

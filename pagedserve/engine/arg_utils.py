@@ -26,6 +26,7 @@ from pagedserve.config import (
     option_default,
 )
 from pagedserve.errors import UnsupportedModelError
+from pagedserve.quant_config import resolve_quantization
 
 # Who builds the engine (vLLM's UsageContext): the offline `LLM` class gets a larger default
 # step token budget on big GPUs than the server, where a smaller one keeps decodes of running
@@ -103,6 +104,7 @@ class EngineArgs:
     max_model_len: int | None = _FROM_CONFIG
     max_logprobs: int = _FROM_CONFIG
     load_format: str = _FROM_CONFIG
+    quantization: str | None = _FROM_CONFIG
     block_size: int = _FROM_CONFIG
     gpu_memory_utilization: float = _FROM_CONFIG
     kv_cache_memory_bytes: int | None = _FROM_CONFIG
@@ -138,7 +140,10 @@ class EngineArgs:
         Raises UnsupportedModelError (a ValueError) when the folder or its config is missing,
         and ValueError when an option has the wrong type or is out of range (naming the option
         and the limit; the configs' `__post_init__` check the ranges). The options that need
-        no model are checked before the model's config is read.
+        no model are checked before the model's config is read. The quantization method is
+        the option's, else the checkpoint's (`quant_config.resolve_quantization`: ValueError
+        when they contradict or the checkpoint's bits/group size are unsupported,
+        NotImplementedError for a method not implemented yet).
         """
         if usage_context not in USAGE_CONTEXTS:
             raise ValueError(
@@ -156,6 +161,7 @@ class EngineArgs:
             ModelConfig,
             tokenizer=self.tokenizer or self.model,
             max_model_len=max_model_len,
+            quantization=resolve_quantization(self.quantization, hf_config),
             hf_config=hf_config,
             eos_token_ids=read_eos_token_ids(self.model, hf_config),
         )

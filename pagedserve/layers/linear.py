@@ -1,24 +1,29 @@
-"""Linear layers sharded Megatron-style over the tensor-parallel group, with weight loaders."""
+"""Linear layers sharded Megatron-style over the tensor-parallel group, with weight loaders.
 
-from collections.abc import Callable, Mapping
-from typing import Any
+Each layer's parameters come from its linear method (`pagedserve.layers.quantization`):
+a plain `weight` [output, input], or GPTQ's packed `qweight`/`qzeros`/`scales`/`g_idx`.
+The loaders shard every parameter by the attributes the method gives it: column-parallel
+layers split `output_dim`, row-parallel layers split `input_dim`, offsets and sizes along a
+`packed_dim` are divided by its `pack_factor`, and a tensor without the split dim is
+replicated.
+"""
+
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed.comm import tensor_model_parallel_all_reduce
 from pagedserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pagedserve.layers.quantization import get_linear_method
+from pagedserve.layers.quantization.base import set_weight_attrs
+from pagedserve.quant_config import QuantizationConfig
+
+__all__ = ["set_weight_attrs"]
 
 # Copies this rank's part of a full checkpoint tensor into a parameter:
 # weight_loader(param, loaded_weight) or weight_loader(param, loaded_weight, shard_id).
 WeightLoader = Callable[..., None]
-
-
-def set_weight_attrs(param: nn.Parameter, attrs: Mapping[str, Any]) -> None:
-    """Attach loading metadata (e.g. `weight_loader`) to a parameter, as vLLM does."""
-    for key, value in attrs.items():
-        setattr(param, key, value)
 
 
 def default_weight_loader(
@@ -65,23 +70,68 @@ def _copy_shard(
     param_slice.copy_(loaded_weight.narrow(dim, shard_rank * shard_size, shard_size))
 
 
-class LinearBase(nn.Module):
-    """y = x W^T + b with W [output_size, input_size] as stored on this rank."""
+def _packed_narrow(
+    param: nn.Parameter, dim: int, offset: int, size: int
+) -> torch.Tensor:  # a view of param.data
+    """`param.data.narrow(dim, offset, size)` in unpacked units: divided by the parameter's
+    pack_factor when `dim` is its packed dim."""
+    if getattr(param, "packed_dim", None) == dim:
+        pack_factor: int = param.pack_factor  # type: ignore[attr-defined]
+        offset, size = offset // pack_factor, size // pack_factor
+    return param.data.narrow(dim, offset, size)
 
-    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+
+def _load_shared(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """Load a tensor that every fused shard carries whole (GPTQ's g_idx of q/k/v, which see
+    the same input): the first copy is kept, a different later one is an error (one g_idx
+    cannot serve both)."""
+    if not getattr(param, "shared_loaded", False):
+        default_weight_loader(param, loaded_weight)
+        param.shared_loaded = True  # type: ignore[attr-defined]
+        return
+    other = torch.empty_like(param.data)
+    other.copy_(loaded_weight)  # also reads a lazy SafetensorsSlice
+    if not torch.equal(param.data, other):
+        raise ValueError(
+            "the fused projections of this layer have different tensors where one is shared "
+            "(e.g. act-order g_idx of q/k/v or gate/up): they must be quantized alike"
+        )
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b, W [output_size, input_size] as stored on this rank, in the parameters
+    of the layer's linear method (`self.quant_method`: `quant_config`'s, unquantized for None;
+    the model passes its quantization config down to every linear, as in vLLM)."""
+
+    def __init__(
+        self,
+        input_size: int,  # on this rank
+        output_size: int,  # on this rank
+        bias: bool,
+        output_partition_sizes: list[int] | None = None,  # per rank, of fused outputs
+        full_sizes: tuple[int, int] | None = None,  # (input_size, output_size) over ranks
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+        self.quant_method = get_linear_method(quant_config)
+        self.quant_method.create_weights(
+            self,
+            input_size,
+            output_partition_sizes or [output_size],
+            *(full_sizes or (input_size, output_size)),
+            torch.get_default_dtype(),
+            self.weight_loader,
+        )
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
+            set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.weight_loader})
 
     def weight_loader(
         self,
-        param: nn.Parameter,  # [output_size, input_size] or [output_size]
+        param: nn.Parameter,  # any parameter of the layer, unsharded
         loaded_weight: torch.Tensor,  # same shape as param
     ) -> None:
         default_weight_loader(param, loaded_weight)
@@ -90,7 +140,7 @@ class LinearBase(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, input_size] float
     ) -> torch.Tensor:  # [num_tokens, output_size] float
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -101,17 +151,36 @@ class ColumnParallelLinear(LinearBase):
     """Splits the output features: rank r holds rows [r * n, (r + 1) * n) of W and of b,
     with n = output_size / tp_size. Its output stays sharded (no communication)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, divide(output_size, get_tp_size(), "output_size"), bias)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        output_partition_sizes: list[int] | None = None,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
+        per_rank = divide(output_size, get_tp_size(), "output_size")
+        super().__init__(
+            input_size,
+            per_rank,
+            bias,
+            output_partition_sizes,
+            (input_size, output_size),
+            quant_config,
+        )
         self.input_size = input_size
         self.output_size = output_size  # total over ranks
 
     def weight_loader(
         self,
-        param: nn.Parameter,  # [output_size / tp_size, input_size] or [output_size / tp_size]
-        loaded_weight: torch.Tensor,  # [output_size, input_size] or [output_size]
+        param: nn.Parameter,  # this rank's part along param.output_dim (if it has one)
+        loaded_weight: torch.Tensor,  # the full tensor
     ) -> None:
-        _copy_shard(param.data, loaded_weight, 0, self.tp_rank, self.tp_size)
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            default_weight_loader(param, loaded_weight)
+        else:
+            _copy_shard(param.data, loaded_weight, dim, self.tp_rank, self.tp_size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -122,22 +191,32 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     time with `weight_loader(param, loaded_weight, shard_id)`, shard_id = index in output_sizes.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias)
-        for size in output_sizes:
-            divide(size, self.tp_size, "each merged output size")
+        tp_size = get_tp_size()
+        per_rank = [divide(size, tp_size, "each merged output size") for size in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, per_rank, quant_config)
 
     def weight_loader(  # type: ignore[override]
         self,
-        param: nn.Parameter,  # [sum(output_sizes) / tp_size, input_size] or [sum / tp_size]
-        loaded_weight: torch.Tensor,  # [output_sizes[shard_id], input_size] or [output_sizes[i]]
+        param: nn.Parameter,  # [sum(output_sizes) / tp_size, ...] along param.output_dim
+        loaded_weight: torch.Tensor,  # output_sizes[shard_id] along output_dim
         shard_id: int,
     ) -> None:
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            _load_shared(param, loaded_weight)
+            return
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        shard = param.data.narrow(0, offset, size)
-        _copy_shard(shard, loaded_weight, 0, self.tp_rank, self.tp_size)
+        shard = _packed_narrow(param, dim, offset, size)
+        _copy_shard(shard, loaded_weight, dim, self.tp_rank, self.tp_size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -155,6 +234,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int | None = None,
         bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         tp_size = get_tp_size()
         total_num_kv_heads = total_num_kv_heads or total_num_heads
@@ -173,12 +253,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_dim  # per rank
         self.kv_size = self.num_kv_heads * head_dim  # per rank
         output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_dim
-        super().__init__(hidden_size, output_size, bias)
+        per_rank = [self.q_size, self.kv_size, self.kv_size]
+        super().__init__(hidden_size, output_size, bias, per_rank, quant_config)
 
     def weight_loader(  # type: ignore[override]
         self,
-        param: nn.Parameter,  # [q_size + 2 * kv_size, hidden_size] or [q_size + 2 * kv_size]
-        loaded_weight: torch.Tensor,  # full q_proj/k_proj/v_proj weight or bias
+        param: nn.Parameter,  # [q_size + 2 * kv_size, ...] along param.output_dim
+        loaded_weight: torch.Tensor,  # full q_proj/k_proj/v_proj tensor
         shard_id: str,
     ) -> None:
         if shard_id == "q":
@@ -189,8 +270,12 @@ class QKVParallelLinear(ColumnParallelLinear):
             num_shards = self.tp_size // self.num_kv_head_replicas
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        shard = param.data.narrow(0, offset, size)
-        _copy_shard(shard, loaded_weight, 0, shard_rank, num_shards)
+        dim = getattr(param, "output_dim", None)
+        if dim is None:
+            _load_shared(param, loaded_weight)
+            return
+        shard = _packed_narrow(param, dim, offset, size)
+        _copy_shard(shard, loaded_weight, dim, shard_rank, num_shards)
 
 
 class RowParallelLinear(LinearBase):
@@ -198,24 +283,32 @@ class RowParallelLinear(LinearBase):
     n = input_size / tp_size, takes a sharded input and all-reduces the partial sums.
     The bias is replicated and added once (by rank 0, before the reduction)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(divide(input_size, get_tp_size(), "input_size"), output_size, bias)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
+        per_rank = divide(input_size, get_tp_size(), "input_size")
+        super().__init__(per_rank, output_size, bias, None, (input_size, output_size), quant_config)
         self.input_size = input_size  # total over ranks
         self.output_size = output_size
 
     def weight_loader(
         self,
-        param: nn.Parameter,  # [output_size, input_size / tp_size] or [output_size]
-        loaded_weight: torch.Tensor,  # [output_size, input_size] or [output_size]
+        param: nn.Parameter,  # this rank's part along param.input_dim (if it has one)
+        loaded_weight: torch.Tensor,  # the full tensor
     ) -> None:
-        if param.dim() == 1:  # bias: replicated
+        dim = getattr(param, "input_dim", None)
+        if dim is None:  # bias, or groups every rank keeps: replicated
             default_weight_loader(param, loaded_weight)
         else:
-            _copy_shard(param.data, loaded_weight, 1, self.tp_rank, self.tp_size)
+            _copy_shard(param.data, loaded_weight, dim, self.tp_rank, self.tp_size)
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, input_size / tp_size] float
     ) -> torch.Tensor:  # [num_tokens, output_size] float
         bias = self.bias if self.tp_rank == 0 else None
-        return tensor_model_parallel_all_reduce(F.linear(x, self.weight, bias))
+        return tensor_model_parallel_all_reduce(self.quant_method.apply(self, x, bias))

@@ -19,6 +19,7 @@ from pagedserve.layers.linear import (
 )
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, get_rope
+from pagedserve.quant_config import QuantizationConfig
 
 
 def get_head_dim(hf_config: Any) -> int:
@@ -50,7 +51,12 @@ def check_full_attention(hf_config: Any) -> None:
 class LlamaAttention(nn.Module):
     """Self-attention: fused qkv_proj -> RoPE -> paged attention -> o_proj."""
 
-    def __init__(self, hf_config: Any, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
         qkv_bias, o_proj_bias = self.projection_biases(hf_config)
         self.head_dim = get_head_dim(hf_config)
@@ -60,13 +66,17 @@ class LlamaAttention(nn.Module):
             hf_config.num_attention_heads,
             getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
             bias=qkv_bias,
+            quant_config=quant_config,
         )
         self.num_heads = self.qkv_proj.num_heads  # on this rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads  # on this rank
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(
-            hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size, o_proj_bias
+            hf_config.num_attention_heads * self.head_dim,
+            hf_config.hidden_size,
+            o_proj_bias,
+            quant_config,
         )
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
@@ -99,7 +109,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x)), gate/up fused."""
 
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         hidden_act = getattr(hf_config, "hidden_act", "silu")
         if hidden_act != "silu":
@@ -107,9 +117,11 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(hf_config, "mlp_bias", False))
         intermediate_size = hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            hf_config.hidden_size, [intermediate_size, intermediate_size], bias=bias
+            hf_config.hidden_size, [intermediate_size, intermediate_size], bias, quant_config
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hf_config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hf_config.hidden_size, bias, quant_config
+        )
         self.act_fn = SiluAndMul()
 
     def forward(
@@ -124,11 +136,15 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; carries the residual stream separately so norms can fuse the add."""
 
     def __init__(
-        self, hf_config: Any, rotary_emb: RotaryEmbedding, attention_cls: type[LlamaAttention]
+        self,
+        hf_config: Any,
+        rotary_emb: RotaryEmbedding,
+        attention_cls: type[LlamaAttention],
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = attention_cls(hf_config, rotary_emb)
-        self.mlp = LlamaMLP(hf_config)
+        self.self_attn = attention_cls(hf_config, rotary_emb, quant_config)
+        self.mlp = LlamaMLP(hf_config, quant_config)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -152,13 +168,18 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, hf_config: Any, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        attention_cls: type[LlamaAttention],
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__()
         check_full_attention(hf_config)
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         rotary_emb = get_rope(hf_config, get_head_dim(hf_config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, rotary_emb, attention_cls)
+            LlamaDecoderLayer(hf_config, rotary_emb, attention_cls, quant_config)
             for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -185,6 +206,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    supports_quantization: ClassVar[bool] = True  # takes a quant_config for its linears
     # (our parameter name part, checkpoint name part, shard id)
     stacked_params_mapping: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
         (".qkv_proj", ".q_proj", "q"),
@@ -194,10 +216,10 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     )
 
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, self.attention_cls)
+        self.model = LlamaModel(hf_config, self.attention_cls, quant_config)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

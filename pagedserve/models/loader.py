@@ -15,6 +15,7 @@ from pagedserve.distributed.parallel_state import get_tp_size
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.models.registry import get_model_class
+from pagedserve.quant_config import get_quantization_config
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
@@ -29,6 +30,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the model class named by `hf_config.architectures` on `device` in `dtype`, load
     its weights, and return it in eval mode with gradients off.
@@ -38,15 +40,27 @@ def load_model(
     reads only its own shard of each tensor (`SafetensorsSlice`). "dummy" draws
     U(-1e-3, 1e-3) weights (norm weights 1) so that benchmarks can run architectures whose
     weights we do not have (each rank draws its shards alone, so they differ with tp_size).
+    `quantization` (ModelConfig's resolved method, e.g. "gptq") builds the linear layers with
+    that method's parameters (`pagedserve.layers.quantization`), parsed from the checkpoint's
+    quantization_config; dummy weights leave its integer tensors 0.
     Raises UnsupportedModelError for an unknown architecture, a folder without safetensors
-    weights, or a checkpoint that leaves parameters unloaded.
+    weights, or a checkpoint that leaves parameters unloaded; NotImplementedError for a
+    quantized checkpoint of an architecture that does not support quantization.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_cls = get_model_class(list(getattr(hf_config, "architectures", None) or []))
+    quant_config = None
+    if quantization is not None:
+        if not getattr(model_cls, "supports_quantization", False):
+            raise NotImplementedError(
+                f"{model_cls.__name__} does not support quantized checkpoints "
+                f"(quantization={quantization!r}) yet"
+            )
+        quant_config = get_quantization_config(quantization, hf_config)
     files = [] if load_format == "dummy" else find_safetensors_files(model_path)
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config)
+        model = model_cls(hf_config) if quant_config is None else model_cls(hf_config, quant_config)
     model.requires_grad_(False)
     with torch.no_grad():
         if load_format == "dummy":
@@ -201,9 +215,13 @@ class SafetensorsSlice:
 
 
 def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3) -> None:
-    """Fill every parameter from U(low, high) (seeded), then norm weights with 1, biases 0."""
+    """Fill every floating-point parameter from U(low, high) (seeded), then norm weights with
+    1, biases 0; integer ones (quantized weights, group indices) with 0."""
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
+        if not param.is_floating_point():
+            param.data.zero_()
+            continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(0)
         param.data.uniform_(low, high, generator=generators[param.device])

@@ -8,13 +8,19 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedserve.quant_config import QuantizationConfig
 
 
 class Qwen3Attention(LlamaAttention):
     """Llama attention plus q_norm/k_norm, each an RMSNorm over head_dim shared by all heads."""
 
-    def __init__(self, hf_config: Any, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__(hf_config, rotary_emb)
+    def __init__(
+        self,
+        hf_config: Any,
+        rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
+        super().__init__(hf_config, rotary_emb, quant_config)
         self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
 

@@ -69,6 +69,7 @@ def load_model(runner: ModelRunner) -> None:
         runner.model_dtype,
         runner.device,
         model_config.load_format,
+        model_config.quantization,
     )
     runner.attention_layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
     for layer in runner.attention_layers:

@@ -1,0 +1,29 @@
+"""Quantized linear layers: the linear method each layer uses, picked from the checkpoint's
+quantization config (parsed torch-free in `pagedserve.quant_config`).
+
+The model loader parses the checkpoint's config (`quant_config.get_quantization_config`) and
+passes it to the model, which passes it down to every linear layer (as vLLM does); each layer
+takes `get_linear_method(quant_config)`. Methods: `UnquantizedLinearMethod`,
+`GPTQLinearMethod` (CPU reference path).
+"""
+
+from pagedserve.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
+from pagedserve.layers.quantization.gptq import GPTQLinearMethod
+from pagedserve.quant_config import GPTQConfig, QuantizationConfig
+
+__all__ = [
+    "GPTQLinearMethod",
+    "LinearMethodBase",
+    "UnquantizedLinearMethod",
+    "get_linear_method",
+]
+
+
+def get_linear_method(config: QuantizationConfig | None) -> LinearMethodBase:
+    """The linear method of a quantization config (None: unquantized). Raises
+    NotImplementedError for a config with no linear method yet."""
+    if config is None:
+        return UnquantizedLinearMethod()
+    if isinstance(config, GPTQConfig):
+        return GPTQLinearMethod(config)
+    raise NotImplementedError(f"no linear method for quantization {config.get_name()!r} yet")

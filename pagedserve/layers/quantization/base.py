@@ -1,0 +1,81 @@
+"""The linear-method interface of quantized (and plain) linear layers, as vLLM's
+`LinearMethodBase`: a method registers its parameters on the layer (`create_weights`) and
+computes the layer's output from them (`apply`)."""
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
+    """Attach loading metadata (e.g. `weight_loader`, `output_dim`) to a parameter, as vLLM."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    """The parameter `name` a linear method registered on `layer`."""
+    return cast(torch.Tensor, getattr(layer, name))
+
+
+class LinearMethodBase:
+    """How a linear layer stores and applies its weight.
+
+    Each parameter a method registers carries the attributes the layer's weight loaders use
+    to shard it (vLLM's names): `output_dim` (the dim of the output features, sharded by
+    column-parallel layers; absent: the tensor is replicated there), `input_dim` (the dim of
+    the input features, sharded by row-parallel layers; absent: replicated), and for packed
+    int32 tensors `packed_dim` and `pack_factor` (values per int32 along `packed_dim`, so a
+    shard's offset and size along it are divided by pack_factor).
+    """
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],  # per rank; several for fused (merged, QKV) layers
+        input_size: int,  # over all ranks
+        output_size: int,  # over all ranks
+        params_dtype: torch.dtype,
+        weight_loader: Any,
+    ) -> None:
+        """Register this method's parameters on `layer`. Raises ValueError when the sizes do
+        not fit the method's layout (e.g. a tensor-parallel shard splitting a group)."""
+        raise NotImplementedError
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [num_tokens, input_size_per_partition] float
+        bias: torch.Tensor | None = None,  # [output_size_per_partition]
+    ) -> torch.Tensor:  # [num_tokens, output_size_per_partition], x's dtype
+        """The layer's output x W^T + bias from its registered parameters."""
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """A plain weight [output_size_per_partition, input_size_per_partition] in params_dtype."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        weight_loader: Any,
+    ) -> None:
+        weight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": weight_loader})
+        layer.register_parameter("weight", weight)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, layer_tensor(layer, "weight"), bias)

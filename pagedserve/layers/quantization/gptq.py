@@ -1,0 +1,160 @@
+"""GPTQ weight-only quantization (AutoGPTQ / GPTQModel checkpoints): the parameters and the
+CPU reference matmul (dequantize, then a dense matmul), which future GPU kernels are checked
+against.
+
+The layout, as AutoGPTQ's `QuantLinear.pack` writes it (auto_gptq/nn_modules/qlinear/
+qlinear_cuda_old.py) and vLLM's GPTQ method reads it, for a weight W [N out, K in]:
+
+    qweight [K / pack, N] int32   row i packs input rows i*pack .. i*pack+pack-1 of W^T,
+                                  row i*pack+j in bits [j*bits, (j+1)*bits) (LSB first)
+    qzeros  [G, N / pack] int32   zero points packed the same way along N; v1 format stores
+                                  zero - 1 (`zero_offset` adds it back)
+    scales  [G, N] float16        one scale per (group, output column)
+    g_idx   [K] int32             group of each input row (k // group_size without act-order,
+                                  an arbitrary permutation of groups with desc_act)
+
+    W^T[k, n] = scales[g, n] * (q[k, n] - zero[g, n]),  g = g_idx[k]
+
+Tensor parallelism (as vLLM): column-parallel layers split N (qweight and scales columns,
+qzeros columns / pack); row-parallel layers split K (qweight rows / pack, g_idx, and the
+scale/zero groups, except with act-order or one group, where every rank keeps all groups).
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.layers.quantization.base import LinearMethodBase, layer_tensor, set_weight_attrs
+from pagedserve.quant_config import GPTQConfig
+
+
+def unpack_int32(
+    packed: torch.Tensor,  # int32, packed along `dim`
+    bits: int,
+    dim: int,
+    order: tuple[int, ...] | None = None,
+) -> torch.Tensor:  # int32, packed.size(dim) * (32 // bits) along `dim`, values in [0, 2**bits)
+    """Split each int32 into its 32 // bits values, lowest bits first, along `dim`.
+
+    `order[j]` is the position (in the unpacked run of 32 // bits values) of the value stored
+    in bits [j*bits, (j+1)*bits); None is the identity (GPTQ)."""
+    pack = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    moved = packed.movedim(dim, -1)
+    values = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., n, pack]
+    if order is not None:
+        values = values[..., torch.argsort(torch.tensor(order, device=packed.device))]
+    return values.reshape(*moved.shape[:-1], moved.shape[-1] * pack).movedim(-1, dim)
+
+
+def dequantize_gptq(
+    qweight: torch.Tensor,  # [K / pack, N] int32
+    qzeros: torch.Tensor,  # [G, N / pack] int32
+    scales: torch.Tensor,  # [G, N] float
+    groups: torch.Tensor,  # [K] int64: the group (row of scales/qzeros) of each input row
+    bits: int,
+    zero_offset: int,
+) -> torch.Tensor:  # [K, N] float32: W^T
+    """The float weight W^T of a GPTQ tensor set (see the module docstring)."""
+    q = unpack_int32(qweight, bits, 0)
+    zeros = unpack_int32(qzeros, bits, 1) + zero_offset
+    scales32 = scales.to(torch.float32)
+    return (q - zeros[groups]).to(torch.float32) * scales32[groups]
+
+
+class GPTQLinearMethod(LinearMethodBase):
+    """GPTQ linear method (vLLM's `GPTQLinearMethod`); CPU reference `apply`."""
+
+    def __init__(self, quant_config: GPTQConfig) -> None:
+        self.quant_config = quant_config
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        weight_loader: Any,
+    ) -> None:
+        config = self.quant_config
+        pack = config.pack_factor
+        group_size = config.group_size if config.group_size != -1 else input_size
+        split_group = config.group_size != -1 and input_size_per_partition % group_size
+        if split_group or input_size_per_partition % pack:
+            raise ValueError(
+                f"GPTQ: this rank's input size {input_size_per_partition} (of {input_size}) "
+                f"is not a multiple of group_size {group_size} and of {pack} values per int32; "
+                f"the tensor parallel size may be too large"
+            )
+        for size in output_partition_sizes:
+            if size % pack:
+                raise ValueError(
+                    f"GPTQ: this rank's output size {size} is not a multiple of {pack} values "
+                    f"per int32 (qzeros packs the output features); the tensor parallel size "
+                    f"may be too large"
+                )
+        output_size_per_partition = sum(output_partition_sizes)
+        # Row-parallel shards keep their own groups, unless rows of a shard may belong to any
+        # group (act-order) or there is one group: then every rank holds all of them.
+        num_groups, group_dim = input_size // group_size, None
+        row_sharded = input_size != input_size_per_partition
+        if row_sharded and config.group_size != -1 and not config.desc_act:
+            num_groups, group_dim = input_size_per_partition // group_size, 0
+        self.group_size = group_size
+
+        def register(name: str, tensor: torch.Tensor, attrs: dict[str, Any]) -> None:
+            param = nn.Parameter(tensor, requires_grad=False)
+            set_weight_attrs(param, {**attrs, "weight_loader": weight_loader})
+            layer.register_parameter(name, param)
+
+        int32 = torch.int32
+        register(
+            "qweight",
+            torch.empty(input_size_per_partition // pack, output_size_per_partition, dtype=int32),
+            {"input_dim": 0, "output_dim": 1, "packed_dim": 0, "pack_factor": pack},
+        )
+        register("g_idx", torch.empty(input_size_per_partition, dtype=int32), {"input_dim": 0})
+        zero_attrs = {"output_dim": 1, "packed_dim": 1, "pack_factor": pack}
+        scale_attrs: dict[str, Any] = {"output_dim": 1}
+        if group_dim is not None:
+            zero_attrs["input_dim"] = scale_attrs["input_dim"] = group_dim
+        register(
+            "qzeros",
+            torch.empty(num_groups, output_size_per_partition // pack, dtype=int32),
+            zero_attrs,
+        )
+        register(
+            "scales",
+            torch.empty(num_groups, output_size_per_partition, dtype=params_dtype),
+            scale_attrs,
+        )
+
+    def groups(self, layer: nn.Module) -> torch.Tensor:  # [K / tp] int64
+        """The row of scales/qzeros of each of this rank's input rows: `g_idx` with
+        act-order (global groups; every rank holds them all), else position // group_size
+        (as vLLM, which ignores g_idx then)."""
+        g_idx = layer_tensor(layer, "g_idx")
+        if self.quant_config.desc_act:
+            return g_idx.long()
+        return torch.arange(g_idx.numel(), device=g_idx.device) // self.group_size
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:  # [K / tp, N / tp] float32
+        """This rank's float weight W^T from the layer's GPTQ parameters."""
+        config = self.quant_config
+        return dequantize_gptq(
+            layer_tensor(layer, "qweight"),
+            layer_tensor(layer, "qzeros"),
+            layer_tensor(layer, "scales"),
+            self.groups(layer),
+            config.weight_bits,
+            config.zero_offset,
+        )
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = x @ self.dequantize(layer).to(x.dtype)
+        return out + bias if bias is not None else out
