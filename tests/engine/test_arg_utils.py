@@ -114,7 +114,12 @@ def test_the_configs_validate_their_own_options(make: Any, words: str) -> None:
 
 def test_model_options_are_checked_against_the_model() -> None:
     hf_config = arg_utils.load_hf_config(config.DEFAULT_MODEL)
-    common: dict[str, Any] = {"tokenizer": "t", "hf_config": hf_config, "eos_token_ids": ()}
+    common: dict[str, Any] = {
+        "tokenizer": "t",
+        "hf_config": hf_config,
+        "eos_token_ids": (),
+        "quantization": None,
+    }
     assert ModelConfig(max_model_len=512, **common).max_model_len == 512
     with pytest.raises(ValueError, match="larger than the model's context length"):
         ModelConfig(max_model_len=513, **common)
