@@ -116,6 +116,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        # The flags were only ever read for their truth (ignore_eos=1 worked); bools from here
+        # on, as annotated: the engine core's decoder (msgspec) checks the annotations.
+        for name in _FLAGS:
+            setattr(self, name, bool(getattr(self, name)))
         self._validate_numbers()
         self._validate()
         self._normalize_token_maps()
@@ -339,6 +343,13 @@ class SamplingParams:
         )
 
 
+_FLAGS = (
+    "ignore_eos",
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
 _FLOAT32_MAX = 3.4028234663852886e38

@@ -188,7 +188,9 @@ class InputProcessor:
                     isinstance(t, int) for t in token_ids
                 ):
                     raise InvalidRequestError("prompt_token_ids must be a list of ints", "prompt")
-                return prompt.get("prompt"), list(token_ids)
+                # Plain ints (True is 1, as the engine always read it): the engine core's
+                # decoder (msgspec) takes no bool or other type for an int.
+                return prompt.get("prompt"), [int(t) for t in token_ids]
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return prompt["prompt"], self._encode(prompt["prompt"], check_length)
         raise InvalidRequestError(

@@ -53,6 +53,19 @@ def test_generate_abort_and_errors(expected: dict[str, str]) -> None:
         assert final.finished and final.outputs[0].finish_reason == "abort"
         await wait_idle(engine)
 
+        # What the constructors accept crosses to the engine core, which stays up: truthy
+        # flags (ignore_eos=1) and prompt token ids that are bools or int subclasses used to
+        # fail msgspec's decoding in the core and kill it.
+        loose = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=1, detokenize=1)
+        final = await last(engine.generate("Once", loose, "loose"))
+        assert len(final.outputs[0].token_ids) == 3
+        ids = {"prompt_token_ids": [True, _Int(400), 300]}
+        as_ints = await last(engine.generate({"prompt_token_ids": [1, 400, 300]}, loose, "i"))
+        final = await last(engine.generate(ids, loose, "ids"))
+        assert final.prompt_token_ids == [1, 400, 300]
+        assert final.outputs[0].token_ids == as_ints.outputs[0].token_ids
+        await engine.check_health()
+
         with pytest.raises(InvalidRequestError, match="max_model_len"):
             await generator_first(engine.generate("x", SamplingParams(max_tokens=1000), "bad"))
         await engine.check_health()
@@ -68,6 +81,16 @@ def run_with_engine(run: Any) -> None:
     finally:
         engine.shutdown()
     assert not engine.core.is_alive
+
+
+class _Int(int):
+    """An int subclass (as numpy's and others' integer types may be)."""
+
+
+async def last(generator: Any) -> Any:
+    """The last output of a stream."""
+    outputs = [output async for output in generator]
+    return outputs[-1]
 
 
 async def generator_first(generator: Any) -> Any:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from pagedserve import RequestOutputKind, SamplingParams
@@ -56,6 +57,30 @@ def test_default_max_tokens_crosses_as_a_plain_int() -> None:
     assert isinstance(decoded, AddRequests)
     max_tokens = decoded.requests[0].sampling_params.max_tokens
     assert max_tokens == 16 and not is_default_max_tokens(max_tokens)
+
+
+# Values SamplingParams accepts in a field typed otherwise: truthy values for the flags, as
+# the fields were only ever read for their truth. msgpack carried them as they were; msgspec
+# decodes against the annotations, so a 1 for `ignore_eos` failed in the engine core and
+# killed it. They are now bools from construction on.
+FLAG_VALUES = [1, 0, None, "yes", np.bool_(True)]
+FLAGS = [
+    "ignore_eos",
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+]
+
+
+@pytest.mark.parametrize("value", FLAG_VALUES, ids=repr)
+@pytest.mark.parametrize("name", FLAGS)
+def test_truthy_flags_cross_as_bools(name: str, value: object) -> None:
+    params = SamplingParams(**{name: value})
+    assert getattr(params, name) is bool(value)
+    decoded = decode_to_core(encode(AddRequests([EngineCoreRequest("r", [1], params)])))
+    assert isinstance(decoded, AddRequests)
+    assert decoded.requests[0].sampling_params == params
 
 
 @pytest.mark.parametrize(
