@@ -31,6 +31,8 @@ import time
 import traceback
 from typing import Any
 
+import msgspec
+
 from pagedserve.messages import (
     AbortRequests,
     AddRequests,
@@ -133,9 +135,27 @@ class _CoreLoop:
                 if busy:
                     return handled
                 continue
-            self._handle(decode_to_core(self.input.recv()))
+            data = self.input.recv()
+            try:
+                message = decode_to_core(data)
+            except msgspec.ValidationError as e:  # a value SamplingParams let through
+                self._reject_undecodable(data, e)
+            else:
+                self._handle(message)
             handled = True
         return handled
+
+    def _reject_undecodable(self, data: bytes, error: msgspec.ValidationError) -> None:
+        """A message that is msgpack but not a valid `ToCore` (the caller's checks missed a
+        value): its requests, if it adds any, end as "abort" instead of the loop dying."""
+        raw = msgspec.msgpack.decode(data)
+        request_ids = []
+        if isinstance(raw, list) and raw[:1] == ["add"] and len(raw) > 1:
+            request_ids = [
+                r[0] for r in raw[1] if isinstance(r, list) and r and isinstance(r[0], str)
+            ]
+        logger.error("rejected an undecodable message (requests %s): %s", request_ids, error)
+        self.rejected.extend(EngineCoreOutput(rid, [], None, "abort") for rid in request_ids)
 
     def _handle(self, message: ToCore) -> None:
         from pagedserve.request import Request, RequestStatus

@@ -66,6 +66,22 @@ def test_generate_abort_and_errors(expected: dict[str, str]) -> None:
         assert final.outputs[0].token_ids == as_ints.outputs[0].token_ids
         await engine.check_health()
 
+        # A value that slips past every check fails decoding in the core: that message's
+        # requests end as "abort" and the core stays up (it used to die).
+        send_add = engine.core.send_add
+
+        def corrupt(requests: list[Any]) -> None:
+            for request in requests:
+                request.sampling_params.ignore_eos = 1  # not a bool: msgspec refuses it
+            send_add(requests)
+
+        engine.core.send_add = corrupt  # type: ignore[method-assign]
+        final = await last(engine.generate("Once", loose, "undecodable"))
+        engine.core.send_add = send_add  # type: ignore[method-assign]
+        assert final.finished and final.outputs[0].finish_reason == "abort"
+        await engine.check_health()
+        await wait_idle(engine)
+
         with pytest.raises(InvalidRequestError, match="max_model_len"):
             await generator_first(engine.generate("x", SamplingParams(max_tokens=1000), "bad"))
         await engine.check_health()
