@@ -90,7 +90,7 @@ class ModelConfig:
         "auto", help="auto/safetensors (read weights) or dummy (random weights)"
     )
     quantization: str | None = option(
-        help="weight quantization of the checkpoint: gptq (awq, fp8 and compressed-tensors "
+        help="weight quantization of the checkpoint: gptq or awq (fp8 and compressed-tensors "
         "are recognised but not implemented yet)",
         default_text="config.json's quantization_config.quant_method; none if absent",
         cli={"choices": QUANTIZATION_METHODS},

@@ -17,12 +17,17 @@ from typing import Any
 # The values of `--quantization` (vLLM's names).
 QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
 # Methods whose loading is implemented; the others fail with NotImplementedError naming them.
-IMPLEMENTED_METHODS = ("gptq",)
+IMPLEMENTED_METHODS = ("gptq", "awq")
 GPTQ_BITS = (4, 8)
 GPTQ_GROUP_SIZES = (-1, 32, 64, 128)
 # GPTQModel's names; "gptq" is the v1 zero-point convention AutoGPTQ writes (stored zero =
 # zero - 1), "gptq_v2" stores the zero itself.
 GPTQ_CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+AWQ_BITS = (4,)
+AWQ_GROUP_SIZES = (32, 64, 128)
+# AutoAWQ's kernel versions; only GEMM's layout (`AWQLinearMethod`) is read. GEMV stores
+# qweight [N, K / 8], packed along K: read as GEMM it would give wrong weights.
+AWQ_VERSIONS = ("gemm",)
 
 
 class QuantizationConfig:
@@ -90,6 +95,51 @@ class GPTQConfig(QuantizationConfig):
         )
 
 
+@dataclass(frozen=True)
+class AWQConfig(QuantizationConfig):
+    """AWQ (AutoAWQ, GEMM version) weight-only quantization, as vLLM's `AWQConfig`.
+
+    weight_bits: 4; group_size: input rows per scale/zero group (32, 64 or 128);
+    zero_point: always True here (asymmetric: W = (q - zero) * scale)."""
+
+    weight_bits: int
+    group_size: int
+    zero_point: bool = True
+
+    @property
+    def pack_factor(self) -> int:
+        """Quantized values per int32 word."""
+        return 32 // self.weight_bits
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "awq"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "AWQConfig":
+        """Parse an HF `quantization_config` dict (keys bits / w_bit, group_size /
+        q_group_size, zero_point, version; both spellings, as vLLM). Raises ValueError naming
+        an unsupported bits, group size or version and the supported ones;
+        NotImplementedError for zero_point false (AutoAWQ's GEMM layer cannot pack it)."""
+        bits = config.get("bits", config.get("w_bit"))
+        if bits not in AWQ_BITS:
+            raise ValueError(f"AWQ bits={bits!r} is not supported; supported: {AWQ_BITS}")
+        group_size = config.get("group_size", config.get("q_group_size"))
+        if group_size not in AWQ_GROUP_SIZES:
+            raise ValueError(
+                f"AWQ group_size={group_size!r} is not supported; supported: {AWQ_GROUP_SIZES}"
+            )
+        version = str(config.get("version", "gemm")).lower()
+        if version not in AWQ_VERSIONS:
+            raise ValueError(f"AWQ version={version!r} is not supported; supported: {AWQ_VERSIONS}")
+        if not config.get("zero_point", True):
+            raise NotImplementedError(
+                "AWQ zero_point=false is not supported (AutoAWQ's GEMM layout always has "
+                "zero points)"
+            )
+        return cls(weight_bits=int(bits), group_size=int(group_size))
+
+
 def checkpoint_quant_config(hf_config: Any) -> dict[str, Any] | None:
     """config.json's `quantization_config` (or llm-compressor's older `compression_config`)
     as a dict, or None for an unquantized checkpoint."""
@@ -143,8 +193,8 @@ def get_quantization_config(method: str, hf_config: Any) -> QuantizationConfig:
     """The parsed config of `method` from the checkpoint's quantization_config.
 
     Raises ValueError for a method the checkpoint does not carry (e.g. `gptq` on an
-    unquantized checkpoint) and NotImplementedError for methods not implemented yet (awq,
-    fp8, compressed-tensors: never loaded as if unquantized)."""
+    unquantized checkpoint) and NotImplementedError for methods not implemented yet (fp8,
+    compressed-tensors: never loaded as if unquantized)."""
     if method not in IMPLEMENTED_METHODS:
         raise NotImplementedError(
             f"quantization {method!r} is not implemented yet (implemented: "
@@ -156,4 +206,6 @@ def get_quantization_config(method: str, hf_config: Any) -> QuantizationConfig:
             f"quantization={method!r} needs a checkpoint quantized with it, but config.json "
             f"has no quantization_config"
         )
+    if method == "awq":
+        return AWQConfig.from_config(quant_config)
     return GPTQConfig.from_config(quant_config)

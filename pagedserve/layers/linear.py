@@ -1,7 +1,8 @@
 """Linear layers sharded Megatron-style over the tensor-parallel group, with weight loaders.
 
 Each layer's parameters come from its linear method (`pagedserve.layers.quantization`):
-a plain `weight` [output, input], or GPTQ's packed `qweight`/`qzeros`/`scales`/`g_idx`.
+a plain `weight` [output, input], or GPTQ's / AWQ's packed `qweight`/`qzeros`/`scales`
+(and GPTQ's `g_idx`).
 The loaders shard every parameter by the attributes the method gives it: column-parallel
 layers split `output_dim`, row-parallel layers split `input_dim`, offsets and sizes along a
 `packed_dim` are divided by its `pack_factor`, and a tensor without the split dim is

@@ -7,8 +7,10 @@ model.safetensors, plus the dequantized float model for transformers to compare 
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,6 +104,46 @@ def quantization_config(bits: int, group_size: int, desc_act: bool, sym: bool) -
     }
 
 
+# Quantizes one linear: (checkpoint name prefix, float weight [N, K]) -> its packed tensors
+# (attributes named as the checkpoint's fields) and `dequantized` [N, K].
+QuantizeLinear = Callable[[str, torch.Tensor], Any]
+
+
+def write_quantized_checkpoint(
+    float_model_path: Path,
+    out: Path,
+    dequantized_out: Path,
+    quantize_linear: QuantizeLinear,
+    fields: tuple[str, ...],
+    quant_config: dict,
+) -> None:
+    """Quantize every decoder linear of the HF float model in `float_model_path` with
+    `quantize_linear` into a folder `out` (config.json with `quant_config` as its
+    quantization_config, model.safetensors with each linear's `fields`) and save the
+    dequantized float model (same grid) to `dequantized_out`."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_model_path, dtype=torch.float32)
+    tensors: dict[str, torch.Tensor] = {}
+    state = model.state_dict()
+    for name, tensor in state.items():
+        parts = name.split(".")
+        if len(parts) < 2 or parts[-2] not in LINEARS or parts[-1] != "weight":
+            tensors[name] = tensor.contiguous()
+            continue
+        prefix = name[: -len(".weight")]
+        packed = quantize_linear(prefix, tensor)
+        for field in fields:
+            tensors[f"{prefix}.{field}"] = getattr(packed, field).contiguous()
+        state[name].copy_(packed.dequantized)
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = quant_config
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    model.save_pretrained(dequantized_out)
+
+
 def write_gptq_checkpoint(
     float_model_path: Path,
     out: Path,
@@ -112,31 +154,23 @@ def write_gptq_checkpoint(
     sym: bool,
     seed: int = 0,
 ) -> None:
-    """Quantize every decoder linear of the HF float model in `float_model_path` into a GPTQ
-    folder `out` and save the dequantized float model (same grid) to `dequantized_out`."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(float_model_path, dtype=torch.float32)
+    """A GPTQ checkpoint of the float model (`write_quantized_checkpoint`); projections fed
+    the same input share one random act-order."""
     generator = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    state = model.state_dict()
     perms: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        parts = name.split(".")
-        if len(parts) < 2 or parts[-2] not in LINEARS or parts[-1] != "weight":
-            tensors[name] = tensor.contiguous()
-            continue
-        prefix = name[: -len(".weight")]
-        group_key = prefix.replace(parts[-2], SAME_INPUT.get(parts[-2], parts[-2]))
+
+    def quantize_linear(prefix: str, weight: torch.Tensor) -> Packed:
+        module = prefix.split(".")[-1]
+        group_key = prefix.replace(module, SAME_INPUT.get(module, module))
         if group_key not in perms:
-            perms[group_key] = torch.randperm(tensor.shape[1], generator=generator)
-        packed = quantize(tensor, bits, group_size, desc_act, sym, perms[group_key])
-        for field in ("qweight", "qzeros", "scales", "g_idx"):
-            tensors[f"{prefix}.{field}"] = getattr(packed, field).contiguous()
-        state[name].copy_(packed.dequantized)
-    if model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config["quantization_config"] = quantization_config(bits, group_size, desc_act, sym)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    model.save_pretrained(dequantized_out)
+            perms[group_key] = torch.randperm(weight.shape[1], generator=generator)
+        return quantize(weight, bits, group_size, desc_act, sym, perms[group_key])
+
+    write_quantized_checkpoint(
+        float_model_path,
+        out,
+        dequantized_out,
+        quantize_linear,
+        ("qweight", "qzeros", "scales", "g_idx"),
+        quantization_config(bits, group_size, desc_act, sym),
+    )

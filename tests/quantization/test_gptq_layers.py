@@ -3,6 +3,8 @@ grid for every supported bits / group_size / desc_act / sym, and tensor-parallel
 every linear kind put together equal the unsharded layer."""
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from pagedserve.layers.linear import (
     RowParallelLinear,
 )
 from pagedserve.layers.quantization import GPTQLinearMethod
-from pagedserve.quant_config import GPTQ_BITS, GPTQ_GROUP_SIZES, GPTQConfig
+from pagedserve.quant_config import GPTQ_BITS, GPTQ_GROUP_SIZES, GPTQConfig, QuantizationConfig
 from tests.models.test_models import _as_rank, no_collectives  # noqa: F401 (a fixture)
 
 from .gptq_pack import Packed, quantize
@@ -84,6 +86,26 @@ def test_row_parallel_shards_sum_to_the_full_layer(
     torch.testing.assert_close(total, expected)
 
 
+def qkv_outputs(
+    x: torch.Tensor,  # [num_tokens, K]
+    packed: dict[str, Any],  # "q"/"k"/"v" -> packed projection (16-dim heads: 4 q, 2 kv)
+    quant: QuantizationConfig,
+    tp_size: int,
+    load_fn: Callable[..., None],  # load_fn(layer, packed, shard_id)
+) -> dict[str, torch.Tensor]:  # "q"/"k"/"v" -> [num_tokens, its N], ranks' shards concatenated
+    """Each projection's output of a quantized QKVParallelLinear, run on every rank."""
+    outs: dict[str, list[torch.Tensor]] = {s: [] for s in "qkv"}
+    for rank in range(tp_size):
+        with _as_rank(rank, tp_size):
+            qkv = QKVParallelLinear(K, 16, 4, 2, quant_config=quant)
+            for shard_id, p in packed.items():
+                load_fn(qkv, p, shard_id)
+            q, k, v = qkv(x).split([qkv.q_size, qkv.kv_size, qkv.kv_size], dim=-1)
+            for s, out in zip("qkv", (q, k, v), strict=True):
+                outs[s].append(out)
+    return {s: torch.cat(o, dim=-1) for s, o in outs.items()}
+
+
 @pytest.mark.usefixtures("no_collectives")
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_qkv_and_merged_shards_concatenate_to_the_full_projections(tp_size: int) -> None:
@@ -96,17 +118,9 @@ def test_qkv_and_merged_shards_concatenate_to_the_full_projections(tp_size: int)
     packed = {s: quantize(torch.randn(n, K), 4, 64, True, False, perm) for s, n in sizes.items()}
     x = torch.randn(3, K)
     quant = config(4, 64, True, False)
-    outs: dict[str, list[torch.Tensor]] = {s: [] for s in sizes}
-    for rank in range(tp_size):
-        with _as_rank(rank, tp_size):
-            qkv = QKVParallelLinear(K, head_dim, heads, kv_heads, quant_config=quant)
-            for shard_id, p in packed.items():
-                load(qkv, p, shard_id)
-            q, k, v = qkv(x).split([qkv.q_size, qkv.kv_size, qkv.kv_size], dim=-1)
-            for s, out in zip("qkv", (q, k, v), strict=True):
-                outs[s].append(out)
+    outs = qkv_outputs(x, packed, quant, tp_size, load)
     for s, p in packed.items():
-        torch.testing.assert_close(torch.cat(outs[s], dim=-1), x @ p.dequantized.T)
+        torch.testing.assert_close(outs[s], x @ p.dequantized.T)
 
     gate, up = (quantize(torch.randn(96, K), 8, 32, False, True) for _ in range(2))
     halves = []

@@ -94,12 +94,6 @@ def test_the_cli_flag_reaches_the_engine_args(tmp_path: Path) -> None:
         # a method named for an unquantized checkpoint
         (None, "gptq", ValueError, ["no quantization_config"]),
         # known but not implemented: never loaded as if unquantized
-        (
-            {"quant_method": "awq", "bits": 4, "group_size": 128},
-            None,
-            NotImplementedError,
-            ["'awq'", "not implemented"],
-        ),
         (None, "fp8", NotImplementedError, ["'fp8'", "not implemented"]),
         (
             {"quant_method": "compressed-tensors"},
@@ -112,6 +106,14 @@ def test_the_cli_flag_reaches_the_engine_args(tmp_path: Path) -> None:
 def test_unsupported_or_contradicting_quantization_is_refused(
     tmp_path: Path, quant: dict | None, option: str | None, error: type, words: list[str]
 ) -> None:
+    assert_refused(tmp_path, quant, option, error, words)
+
+
+def assert_refused(
+    tmp_path: Path, quant: dict | None, option: str | None, error: type, words: list[str]
+) -> None:
+    """Building the engine config of a checkpoint with quantization_config `quant` and
+    `quantization=option` raises `error` with each of `words` in its message."""
     folder = config_folder(tmp_path / "m", quant)
     with pytest.raises(error) as info:
         engine_config(folder, quantization=option)
@@ -138,6 +140,25 @@ def float_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 PROMPTS = [[5, 17, 300, 42], [7] * 20, list(range(100, 133)), [450, 3]]
 
 
+def llm_greedy(path: Path, option: str | None, method: str) -> list[list[int]]:
+    """Greedy 10-token outputs of `LLM` on PROMPTS from the quantized checkpoint `path`
+    (`quantization=option`), checking that the engine resolved `method`."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with LLM(
+        str(path),
+        quantization=option,
+        dtype="float32",
+        device="cpu",
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_gpu_blocks_override=32,
+        max_model_len=64,
+    ) as llm:
+        assert llm.llm_engine.config.model_config.quantization == method
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 @pytest.mark.parametrize(
     ("bits", "group_size", "desc_act", "sym", "option"),
     [(4, 32, True, False, None), (8, 128, False, True, "gptq"), (4, -1, False, True, None)],
@@ -155,20 +176,7 @@ def test_llm_greedy_on_gptq_equals_transformers_on_the_dequantized_model(
     write_gptq_checkpoint(float_model, gptq, dequantized, bits, group_size, desc_act, sym)
     expected = hf_greedy(dequantized, PROMPTS, 10)
     assert expected != hf_greedy(float_model, PROMPTS, 10) or bits == 8  # 4-bit changes tokens
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    with LLM(
-        str(gptq),
-        quantization=option,
-        dtype="float32",
-        device="cpu",
-        skip_tokenizer_init=True,
-        block_size=4,
-        num_gpu_blocks_override=32,
-        max_model_len=64,
-    ) as llm:
-        assert llm.llm_engine.config.model_config.quantization == "gptq"
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm_greedy(gptq, option, "gptq") == expected
 
 
 @pytest.mark.parametrize("desc_act", [True, False])

@@ -4,14 +4,16 @@ quantization config (parsed torch-free in `pagedserve.quant_config`).
 The model loader parses the checkpoint's config (`quant_config.get_quantization_config`) and
 passes it to the model, which passes it down to every linear layer (as vLLM does); each layer
 takes `get_linear_method(quant_config)`. Methods: `UnquantizedLinearMethod`,
-`GPTQLinearMethod` (CPU reference path).
+`GPTQLinearMethod`, `AWQLinearMethod` (CPU reference paths).
 """
 
+from pagedserve.layers.quantization.awq import AWQLinearMethod
 from pagedserve.layers.quantization.base import LinearMethodBase, UnquantizedLinearMethod
 from pagedserve.layers.quantization.gptq import GPTQLinearMethod
-from pagedserve.quant_config import GPTQConfig, QuantizationConfig
+from pagedserve.quant_config import AWQConfig, GPTQConfig, QuantizationConfig
 
 __all__ = [
+    "AWQLinearMethod",
     "GPTQLinearMethod",
     "LinearMethodBase",
     "UnquantizedLinearMethod",
@@ -26,4 +28,6 @@ def get_linear_method(config: QuantizationConfig | None) -> LinearMethodBase:
         return UnquantizedLinearMethod()
     if isinstance(config, GPTQConfig):
         return GPTQLinearMethod(config)
+    if isinstance(config, AWQConfig):
+        return AWQLinearMethod(config)
     raise NotImplementedError(f"no linear method for quantization {config.get_name()!r} yet")

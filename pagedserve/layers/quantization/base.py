@@ -15,6 +15,32 @@ def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
         setattr(param, key, value)
 
 
+def register_param(
+    layer: nn.Module,
+    name: str,
+    tensor: torch.Tensor,
+    attrs: dict[str, Any],
+    weight_loader: Any,
+) -> None:
+    """Register `tensor` as the frozen parameter `name` of `layer`, with the loading
+    attributes `attrs` and the layer's `weight_loader`."""
+    param = nn.Parameter(tensor, requires_grad=False)
+    set_weight_attrs(param, {**attrs, "weight_loader": weight_loader})
+    layer.register_parameter(name, param)
+
+
+def check_output_packing(method: str, output_partition_sizes: list[int], pack: int) -> None:
+    """Raise ValueError unless each of this rank's fused output sizes fills whole int32 words
+    (the output features are packed `pack` per word in qzeros, and in AWQ's qweight)."""
+    for size in output_partition_sizes:
+        if size % pack:
+            raise ValueError(
+                f"{method}: this rank's output size {size} is not a multiple of {pack} values "
+                f"per int32 (the output features are packed); the tensor parallel size may "
+                f"be too large"
+            )
+
+
 def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
     """The parameter `name` a linear method registered on `layer`."""
     return cast(torch.Tensor, getattr(layer, name))
@@ -79,3 +105,18 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return F.linear(x, layer_tensor(layer, "weight"), bias)
+
+
+class DequantizingLinearMethod(LinearMethodBase):
+    """A quantized method whose CPU reference `apply` dequantizes this rank's weight and runs
+    a dense matmul (the reference future GPU kernels are checked against)."""
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:  # [K / tp, N / tp] float32
+        """This rank's float weight W^T from the layer's quantized parameters."""
+        raise NotImplementedError
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = x @ self.dequantize(layer).to(x.dtype)
+        return out + bias if bias is not None else out

@@ -25,7 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.layers.quantization.base import LinearMethodBase, layer_tensor, set_weight_attrs
+from pagedserve.layers.quantization.base import (
+    DequantizingLinearMethod,
+    check_output_packing,
+    layer_tensor,
+    register_param,
+)
 from pagedserve.quant_config import GPTQConfig
 
 
@@ -63,7 +68,7 @@ def dequantize_gptq(
     return (q - zeros[groups]).to(torch.float32) * scales32[groups]
 
 
-class GPTQLinearMethod(LinearMethodBase):
+class GPTQLinearMethod(DequantizingLinearMethod):
     """GPTQ linear method (vLLM's `GPTQLinearMethod`); CPU reference `apply`."""
 
     def __init__(self, quant_config: GPTQConfig) -> None:
@@ -89,13 +94,7 @@ class GPTQLinearMethod(LinearMethodBase):
                 f"is not a multiple of group_size {group_size} and of {pack} values per int32; "
                 f"the tensor parallel size may be too large"
             )
-        for size in output_partition_sizes:
-            if size % pack:
-                raise ValueError(
-                    f"GPTQ: this rank's output size {size} is not a multiple of {pack} values "
-                    f"per int32 (qzeros packs the output features); the tensor parallel size "
-                    f"may be too large"
-                )
+        check_output_packing("GPTQ", output_partition_sizes, pack)
         output_size_per_partition = sum(output_partition_sizes)
         # Row-parallel shards keep their own groups, unless rows of a shard may belong to any
         # group (act-order) or there is one group: then every rank holds all of them.
@@ -106,9 +105,7 @@ class GPTQLinearMethod(LinearMethodBase):
         self.group_size = group_size
 
         def register(name: str, tensor: torch.Tensor, attrs: dict[str, Any]) -> None:
-            param = nn.Parameter(tensor, requires_grad=False)
-            set_weight_attrs(param, {**attrs, "weight_loader": weight_loader})
-            layer.register_parameter(name, param)
+            register_param(layer, name, tensor, attrs, weight_loader)
 
         int32 = torch.int32
         register(
@@ -152,9 +149,3 @@ class GPTQLinearMethod(LinearMethodBase):
             config.weight_bits,
             config.zero_offset,
         )
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        out = x @ self.dequantize(layer).to(x.dtype)
-        return out + bias if bias is not None else out
