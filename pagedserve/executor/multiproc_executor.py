@@ -157,10 +157,12 @@ class MultiprocExecutor(RankGroupExecutor):
                 except (EOFError, OSError):
                     raise self._fail(self._death_note(worker)) from None
                 if status == "error":
-                    raise self._fail(
-                        f"tensor-parallel worker rank {worker.rank} failed in {what}",
-                        _remote_error(*payload),
-                    )
+                    reason = f"tensor-parallel worker rank {worker.rank} failed in {what}"
+                    # Often because a peer died mid-collective: name that death, the cause.
+                    dead = self._dead_peer(worker)
+                    if dead is not None:
+                        reason = f"{self._death_note(dead)}, and then {reason}"
+                    raise self._fail(reason, _remote_error(*payload))
                 replies[worker.rank] = payload
         return [replies[rank] for rank in range(len(self.workers))]
 
@@ -173,6 +175,15 @@ class MultiprocExecutor(RankGroupExecutor):
         error = EngineDeadError(self.dead_reason)
         error.__cause__ = cause
         return error
+
+    def _dead_peer(self, worker: _WorkerProcess) -> _WorkerProcess | None:
+        """Another rank that has exited (waiting up to 0.2 s each for one just killed)."""
+        for peer in self.workers:
+            if peer is not worker:
+                peer.process.join(0.2)
+                if peer.process.exitcode is not None:
+                    return peer
+        return None
 
     @staticmethod
     def _death_note(worker: _WorkerProcess) -> str:
