@@ -40,7 +40,21 @@ class QuantizationConfig:
 
 
 @dataclass(frozen=True)
-class GPTQConfig(QuantizationConfig):
+class PackedIntConfig(QuantizationConfig):
+    """Integer weights packed into int32 words, in groups of input rows that share a scale and
+    zero (GPTQ, AWQ)."""
+
+    weight_bits: int
+    group_size: int
+
+    @property
+    def pack_factor(self) -> int:
+        """Quantized values per int32 word."""
+        return 32 // self.weight_bits
+
+
+@dataclass(frozen=True)
+class GPTQConfig(PackedIntConfig):
     """GPTQ (AutoGPTQ / GPTQModel) weight-only quantization.
 
     weight_bits: 4 or 8; group_size: input rows per scale/zero group (-1: one group over all
@@ -50,16 +64,9 @@ class GPTQConfig(QuantizationConfig):
     zero - 1; 0 for gptq_v2).
     """
 
-    weight_bits: int
-    group_size: int
     desc_act: bool
     sym: bool = True
     zero_offset: int = 1
-
-    @property
-    def pack_factor(self) -> int:
-        """Quantized values per int32 word."""
-        return 32 // self.weight_bits
 
     @classmethod
     def get_name(cls) -> str:
@@ -96,20 +103,13 @@ class GPTQConfig(QuantizationConfig):
 
 
 @dataclass(frozen=True)
-class AWQConfig(QuantizationConfig):
+class AWQConfig(PackedIntConfig):
     """AWQ (AutoAWQ, GEMM version) weight-only quantization, as vLLM's `AWQConfig`.
 
     weight_bits: 4; group_size: input rows per scale/zero group (32, 64 or 128);
     zero_point: always True here (asymmetric: W = (q - zero) * scale)."""
 
-    weight_bits: int
-    group_size: int
     zero_point: bool = True
-
-    @property
-    def pack_factor(self) -> int:
-        """Quantized values per int32 word."""
-        return 32 // self.weight_bits
 
     @classmethod
     def get_name(cls) -> str:

@@ -94,12 +94,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         weight_loader: Any,
     ) -> None:
-        weight = nn.Parameter(
-            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
-            requires_grad=False,
+        weight = torch.empty(
+            sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype
         )
-        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": weight_loader})
-        layer.register_parameter("weight", weight)
+        register_param(layer, "weight", weight, {"input_dim": 1, "output_dim": 0}, weight_loader)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
