@@ -7,8 +7,7 @@ from typing import Protocol
 
 # The logprobs data are messages too (they reach the API server's process in EngineCoreOutput);
 # re-exported here, where the workers produce them.
-from pagedserve.messages import PromptLogprobsData as PromptLogprobsData
-from pagedserve.messages import SampleLogprobsData as SampleLogprobsData
+from pagedserve.messages import PromptLogprobsData, SampleLogprobsData
 from pagedserve.sampling_params import SamplingParams
 
 

@@ -12,12 +12,11 @@ from pagedserve.attention.backend import get_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.comm import tensor_model_parallel_broadcast
 from pagedserve.layers.attention import Attention
+from pagedserve.messages import PromptLogprobsData, SampleLogprobsData
 from pagedserve.step import (
     AsyncModelRunnerOutput,
     ModelRunnerOutput,
     NewRequestData,
-    PromptLogprobsData,
-    SampleLogprobsData,
     SchedulerOutput,
 )
 from pagedserve.worker.cuda_graph import CudaGraphRunner

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.step import PromptLogprobsData
+from pagedserve.messages import PromptLogprobsData
 from pagedserve.worker.penalties import apply_penalties
 from pagedserve.worker.sampling_metadata import SamplingMetadata, Truncation
 

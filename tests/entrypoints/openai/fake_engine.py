@@ -18,10 +18,9 @@ from pagedserve.engine.input_processor import InputProcessor, PromptType
 from pagedserve.engine.llm_engine import register_request
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.errors import EngineDeadError
-from pagedserve.messages import EngineCoreOutput
+from pagedserve.messages import EngineCoreOutput, PromptLogprobsData, SampleLogprobsData
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import PromptLogprobsData, SampleLogprobsData
 
 # What the fake "model" writes: words, then multi-byte characters that byte-level tokenizers
 # split over several tokens (the detokenizer must hold their bytes back), then more words.
