@@ -14,6 +14,7 @@ from pagedserve.config import LOAD_FORMATS
 from pagedserve.distributed.parallel_state import get_tp_size
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.quantization.base import LinearMethodBase
 from pagedserve.models.registry import get_model_class
 from pagedserve.quant_config import get_quantization_config
 
@@ -70,7 +71,17 @@ def load_model(
             weights = iterate_safetensor_slices(files) if sharded else iterate_safetensors(files)
             loaded = cast(_LoadsWeights, model).load_weights(weights)
             _check_all_loaded(model, loaded, model_path)
+        process_weights_after_loading(model)
     return model.eval()
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each layer's linear method convert its loaded tensors (vLLM's hook of the same
+    name: repacking for a kernel, online quantization)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, LinearMethodBase):
+            method.process_weights_after_loading(module)
 
 
 def find_safetensors_files(model_path: str) -> list[Path]:

@@ -71,6 +71,11 @@ class LinearMethodBase:
         not fit the method's layout (e.g. a tensor-parallel shard splitting a group)."""
         raise NotImplementedError
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Convert the loaded checkpoint tensors into what `apply` reads (e.g. repack for a
+        kernel, quantize a float weight online); called once per layer after every weight
+        (or the dummy weights) is in place, as vLLM's hook of the same name. No-op here."""
+
     def apply(
         self,
         layer: nn.Module,
