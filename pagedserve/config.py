@@ -90,8 +90,8 @@ class ModelConfig:
         "auto", help="auto/safetensors (read weights) or dummy (random weights)"
     )
     quantization: str | None = option(
-        help="weight quantization of the checkpoint: gptq or awq (fp8 and compressed-tensors "
-        "are recognised but not implemented yet)",
+        help="weight quantization: gptq, awq, fp8 or compressed-tensors as the checkpoint "
+        "stores it; fp8 on an unquantized checkpoint quantizes its weights at load (online FP8)",
         default_text="config.json's quantization_config.quant_method; none if absent",
         cli={"choices": QUANTIZATION_METHODS},
     )

@@ -17,7 +17,7 @@ from typing import Any
 # The values of `--quantization` (vLLM's names).
 QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
 # Methods whose loading is implemented; the others fail with NotImplementedError naming them.
-IMPLEMENTED_METHODS = ("gptq", "awq")
+IMPLEMENTED_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
 GPTQ_BITS = (4, 8)
 GPTQ_GROUP_SIZES = (-1, 32, 64, 128)
 # GPTQModel's names; "gptq" is the v1 zero-point convention AutoGPTQ writes (stored zero =
@@ -28,6 +28,7 @@ AWQ_GROUP_SIZES = (32, 64, 128)
 # AutoAWQ's kernel versions; only GEMM's layout (`AWQLinearMethod`) is read. GEMV stores
 # qweight [N, K / 8], packed along K: read as GEMM it would give wrong weights.
 AWQ_VERSIONS = ("gemm",)
+FP8_ACTIVATION_SCHEMES = ("static", "dynamic")
 
 
 class QuantizationConfig:
@@ -140,6 +141,149 @@ class AWQConfig(PackedIntConfig):
         return cls(weight_bits=int(bits), group_size=int(group_size))
 
 
+@dataclass(frozen=True)
+class Fp8Config(QuantizationConfig):
+    """FP8 W8A8 (float8_e4m3fn weights and activations), as vLLM's `Fp8Config`.
+
+    checkpoint_fp8: the checkpoint stores fp8 weights with their `weight_scale` (per tensor,
+    or per output channel); False is online FP8: float weights are quantized at load with one
+    scale per tensor. activation_scheme: "static" (the checkpoint's `input_scale`) or
+    "dynamic" (scales computed from each batch); per_token: dynamic scales per token (row)
+    instead of one per tensor (vLLM's fp8 method uses per tensor; compressed-tensors' "token"
+    strategy per token).
+    """
+
+    checkpoint_fp8: bool = True
+    activation_scheme: str = "dynamic"
+    per_token: bool = False
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "fp8"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
+        """Parse a `quant_method: fp8` quantization_config (keys activation_scheme,
+        ignored_layers / modules_to_not_convert, weight_block_size). Raises ValueError naming
+        an unsupported activation scheme or a block-wise `weight_block_size`;
+        NotImplementedError for ignored layers other than lm_head."""
+        scheme = config.get("activation_scheme")
+        if scheme not in FP8_ACTIVATION_SCHEMES:
+            raise ValueError(
+                f"fp8 activation_scheme={scheme!r} is not supported; supported: "
+                f"{FP8_ACTIVATION_SCHEMES}"
+            )
+        if config.get("weight_block_size") is not None:
+            raise ValueError(
+                f"fp8 weight_block_size={config['weight_block_size']!r} (block-wise FP8) is not "
+                f"supported; supported: per-tensor or per-channel weight_scale"
+            )
+        check_ignored(
+            "fp8 ignored_layers",
+            config.get("ignored_layers") or config.get("modules_to_not_convert") or [],
+        )
+        return cls(checkpoint_fp8=True, activation_scheme=str(scheme))
+
+
+def check_ignored(what: str, names: list[str]) -> None:
+    """Raise NotImplementedError unless every unquantized layer a checkpoint lists is the
+    LM head (never quantized here): per-layer methods are not implemented."""
+    for name in names:
+        plain = name[3:] if name.startswith("re:") else name
+        if plain.rstrip("$").split(".")[-1] != "lm_head":
+            raise NotImplementedError(
+                f"{what} lists {name!r}: layers left unquantized other than lm_head are not "
+                f"supported"
+            )
+
+
+@dataclass(frozen=True)
+class CompressedTensorsConfig(QuantizationConfig):
+    """llm-compressor's compressed-tensors checkpoints (vLLM's `CompressedTensorsConfig`),
+    with one scheme for every quantized Linear: `scheme` is an `Fp8Config` (W8A8-FP8,
+    "float-quantized") or a `GPTQConfig` (W4A16 / W8A16, "pack-quantized": the packed
+    tensors are converted to GPTQ's layout at load; zero_offset 0)."""
+
+    scheme: QuantizationConfig
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "compressed-tensors"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "CompressedTensorsConfig":
+        """Parse `config_groups` (each with targets, weights, input_activations), `format`,
+        `ignore`, `sparsity_config`, `kv_cache_scheme`. Raises NotImplementedError naming an
+        unsupported scheme (INT8 W8A8, 2:4 sparsity, several different schemes, a quantized
+        KV cache) and ValueError naming an unsupported bits / group size / format."""
+        sparsity = config.get("sparsity_config") or {}
+        if sparsity.get("format", "dense") != "dense":
+            raise NotImplementedError(
+                f"compressed-tensors sparsity_config format={sparsity.get('format')!r} "
+                f"(e.g. 2:4 sparse) is not supported"
+            )
+        if config.get("kv_cache_scheme") is not None:
+            raise NotImplementedError(
+                "compressed-tensors kv_cache_scheme is not supported (use --kv-cache-dtype)"
+            )
+        check_ignored("compressed-tensors ignore", list(config.get("ignore") or []))
+        groups = list((config.get("config_groups") or {}).values())
+        schemes = {_ct_scheme(g, g.get("format") or config.get("format")) for g in groups}
+        if not schemes:
+            raise ValueError("compressed-tensors quantization_config has no config_groups")
+        if len(schemes) != 1:
+            raise NotImplementedError(
+                f"compressed-tensors with {len(schemes)} different schemes in config_groups "
+                f"is not supported (one scheme for every Linear is)"
+            )
+        return cls(scheme=schemes.pop())
+
+
+def _ct_scheme(group: dict[str, Any], fmt: str | None) -> QuantizationConfig:
+    """The linear config of one compressed-tensors config group (see
+    `CompressedTensorsConfig.from_config` for the errors)."""
+    weights, acts = group.get("weights") or {}, group.get("input_activations")
+    kind, bits = weights.get("type"), weights.get("num_bits")
+    strategy = weights.get("strategy")
+    described = f"weights {kind} {bits}-bit {strategy}, input_activations {acts}, format {fmt!r}"
+    if group.get("output_activations") is not None:
+        raise NotImplementedError(f"compressed-tensors output_activations: {described}")
+    if kind == "float" and bits == 8 and acts is not None:
+        if fmt not in ("float-quantized", "naive-quantized"):
+            raise ValueError(f"compressed-tensors W8A8-FP8 needs float-quantized, got {fmt!r}")
+        if strategy not in ("tensor", "channel") or acts.get("type") != "float":
+            raise NotImplementedError(f"compressed-tensors scheme not supported: {described}")
+        act_strategy, dynamic = acts.get("strategy"), bool(acts.get("dynamic"))
+        if (act_strategy, dynamic) not in (("token", True), ("tensor", True), ("tensor", False)):
+            raise NotImplementedError(f"compressed-tensors FP8 activations: {described}")
+        return Fp8Config(
+            activation_scheme="dynamic" if dynamic else "static",
+            per_token=act_strategy == "token",
+        )
+    if kind == "int" and acts is None:
+        if fmt != "pack-quantized":
+            raise NotImplementedError(
+                f"compressed-tensors int weights need pack-quantized: {fmt!r}"
+            )
+        group_size = weights.get("group_size") if strategy == "group" else -1
+        if strategy not in ("group", "channel") or group_size not in GPTQ_GROUP_SIZES:
+            raise ValueError(
+                f"compressed-tensors weight strategy {strategy!r} group_size {group_size!r} is "
+                f"not supported; supported: channel, or group with {GPTQ_GROUP_SIZES[1:]}"
+            )
+        if bits not in GPTQ_BITS:
+            raise ValueError(f"compressed-tensors num_bits={bits!r}; supported: {GPTQ_BITS}")
+        actorder = weights.get("actorder")
+        return GPTQConfig(
+            weight_bits=int(bits),
+            group_size=int(group_size),
+            desc_act=actorder in ("group", "dynamic"),
+            sym=bool(weights.get("symmetric", True)),
+            zero_offset=0,
+        )
+    raise NotImplementedError(f"compressed-tensors scheme not supported: {described}")
+
+
 def checkpoint_quant_config(hf_config: Any) -> dict[str, Any] | None:
     """config.json's `quantization_config` (or llm-compressor's older `compression_config`)
     as a dict, or None for an unquantized checkpoint."""
@@ -192,9 +336,10 @@ def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
 def get_quantization_config(method: str, hf_config: Any) -> QuantizationConfig:
     """The parsed config of `method` from the checkpoint's quantization_config.
 
-    Raises ValueError for a method the checkpoint does not carry (e.g. `gptq` on an
-    unquantized checkpoint) and NotImplementedError for methods not implemented yet (fp8,
-    compressed-tensors: never loaded as if unquantized)."""
+    `fp8` on a checkpoint without quantization_config is online FP8 (`Fp8Config` with
+    checkpoint_fp8 False: weights quantized at load, dynamic activations), as vLLM. Raises
+    ValueError for another method the checkpoint does not carry (e.g. `gptq` on an
+    unquantized checkpoint) and NotImplementedError for methods not implemented."""
     if method not in IMPLEMENTED_METHODS:
         raise NotImplementedError(
             f"quantization {method!r} is not implemented yet (implemented: "
@@ -202,10 +347,16 @@ def get_quantization_config(method: str, hf_config: Any) -> QuantizationConfig:
         )
     quant_config = checkpoint_quant_config(hf_config)
     if quant_config is None:
+        if method == "fp8":
+            return Fp8Config(checkpoint_fp8=False)
         raise ValueError(
             f"quantization={method!r} needs a checkpoint quantized with it, but config.json "
             f"has no quantization_config"
         )
     if method == "awq":
         return AWQConfig.from_config(quant_config)
+    if method == "fp8":
+        return Fp8Config.from_config(quant_config)
+    if method == "compressed-tensors":
+        return CompressedTensorsConfig.from_config(quant_config)
     return GPTQConfig.from_config(quant_config)

@@ -137,6 +137,7 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 
 
@@ -226,8 +227,8 @@ class SafetensorsSlice:
 
 
 def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3) -> None:
-    """Fill every floating-point parameter from U(low, high) (seeded), then norm weights with
-    1, biases 0; integer ones (quantized weights, group indices) with 0."""
+    """Fill every floating-point parameter (float8 ones too) from U(low, high) (seeded), then
+    norm weights with 1, biases 0; integer ones (quantized weights, group indices) with 0."""
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
         if not param.is_floating_point():
@@ -235,6 +236,10 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(0)
+        if param.element_size() == 1:  # float8 (no uniform_ kernel): drawn in float32
+            drawn = torch.empty(param.shape, device=param.device)
+            param.data.copy_(drawn.uniform_(low, high, generator=generators[param.device]))
+            continue
         param.data.uniform_(low, high, generator=generators[param.device])
     for module in model.modules():
         if isinstance(module, RMSNorm | nn.LayerNorm):

@@ -93,14 +93,8 @@ def test_the_cli_flag_reaches_the_engine_args(tmp_path: Path) -> None:
         ),
         # a method named for an unquantized checkpoint
         (None, "gptq", ValueError, ["no quantization_config"]),
-        # known but not implemented: never loaded as if unquantized
-        (None, "fp8", NotImplementedError, ["'fp8'", "not implemented"]),
-        (
-            {"quant_method": "compressed-tensors"},
-            None,
-            NotImplementedError,
-            ["'compressed-tensors'"],
-        ),
+        # a compressed-tensors config without schemes is never loaded as if unquantized
+        ({"quant_method": "compressed-tensors"}, None, ValueError, ["no config_groups"]),
     ],
 )
 def test_unsupported_or_contradicting_quantization_is_refused(
