@@ -127,7 +127,7 @@ class CompressedTensorsWNA16Method(LinearMethodBase):
     ) -> None:
         """Check a `weight_shape` tensor against the layer's input size (its N differs per
         fused shard; the weight_packed loader checks those rows)."""
-        shape = [int(v) for v in torch.as_tensor(loaded).reshape(-1).tolist()]
+        shape = [int(v) for v in torch.reshape(loaded, (-1,)).tolist()]  # reads a lazy slice
         input_size = self.sizes[2]
         if len(shape) != 2 or shape[1] != input_size:
             raise ValueError(
