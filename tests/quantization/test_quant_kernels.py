@@ -9,27 +9,31 @@ Where they run:
   when the process starts with TRITON_INTERPRET=1 (it must be set before Triton compiles the
   kernels) and Triton is importable:
       TRITON_INTERPRET=1 python -m pytest -q tests/quantization/test_quant_kernels.py
-  The interpreter's bfloat16 is not the GPU's: its float32 -> bfloat16 casts truncate, and its
-  bfloat16 `tl.dot` returns garbage (Triton 3.9), so bfloat16 is checked there only on the
-  GEMV (M = 1) and dequantize kernels, with atol 2^-7 (one bfloat16 step of the weights).
+  The interpreter's bfloat16 is not the GPU's: its float32 -> bfloat16 casts truncate (within
+  the rtol of one bfloat16 step), and its bfloat16 `tl.dot` returns garbage (Triton 3.9), so
+  bfloat16 is checked there only on the GEMV (M = 1) and dequantize kernels.
 - the other tests are plain torch (repacking, the CPU path left as it was), run everywhere.
 
-Tolerances (`assert_matches`): the kernel's weights are the reference's rounded to x's dtype
-(exactly; checked by `test_dequantize_*`), so the only differences are float32 summation
-order and the final rounding:  |y - ref| <= rtol * |ref| + atol * (|x| @ |W^T|),  with
+Tolerances (`assert_matches`): the kernel's weights are the reference's float32 weights (M = 1)
+or those rounded to x's dtype (tensor-core paths; exactly: the dequantize kernel's output is
+compared bit for bit), so the only differences are float32 summation order and the final
+rounding:  |y - ref| <= rtol * |ref| + atol * (|x| @ |W^T|),  with
 rtol = one unit in the last place of the dtype (fp16 2^-10, bf16 2^-7, fp32 2^-20) and
 atol = 2^-16 (float32 accumulation of K <= 4096 terms); ref = x @ W^T in float64 of the
-rounded weights.
+weights the kernel uses.
 """
 
+import dataclasses
 import importlib.util
 import itertools
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from pagedserve import LLM, SamplingParams
 from pagedserve.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from pagedserve.layers.quantization.awq import AWQ_PACK_ORDER, dequantize_awq
 from pagedserve.layers.quantization.gptq import dequantize_gptq
@@ -42,8 +46,9 @@ from pagedserve.layers.quantization.packed import (
 )
 from pagedserve.quant_config import AWQConfig, GPTQConfig, QuantizationConfig
 
-from .awq_pack import quantize_awq
-from .gptq_pack import quantize
+from .awq_pack import quantize_awq, write_awq_checkpoint
+from .gptq_pack import quantize, write_gptq_checkpoint
+from .test_gptq_models import PROMPTS, float_model  # noqa: F401 (float_model: a fixture)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(
@@ -83,15 +88,19 @@ def make_case(
 
 
 def assert_matches(
-    y: torch.Tensor, x: torch.Tensor, ref_t: torch.Tensor, bias: torch.Tensor | None = None
+    y: torch.Tensor,
+    x: torch.Tensor,
+    ref_t: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    rounded: bool = True,
 ) -> None:
-    """y ~ x @ ref_t (+ bias), ref_t [K, N] float32, within the module docstring's bounds."""
-    w = ref_t.to(x.dtype).double()
+    """y ~ x @ ref_t (+ bias), ref_t [K, N] float32 (rounded to x's dtype first unless
+    `rounded` is False: the M = 1 kernel keeps fp32 weights), within the module docstring's
+    bounds."""
+    w = (ref_t.to(x.dtype) if rounded else ref_t).double()
     expected = x.double() @ w + (bias.double() if bias is not None else 0.0)
     scale = x.double().abs() @ w.abs()
-    # The interpreter's bfloat16 casts truncate the weights: up to one bf16 step each.
-    atol = 2.0**-7 if INTERPRET and x.dtype == torch.bfloat16 else ATOL
-    bound = RTOL[x.dtype] * expected.abs() + atol * scale + 1e-30
+    bound = RTOL[x.dtype] * expected.abs() + ATOL * scale + 1e-30
     error = (y.double() - expected).abs()
     assert y.dtype == x.dtype and y.shape == expected.shape
     assert bool((error <= bound).all()), f"max error / bound {float((error / bound).max()):.2f}"
@@ -111,7 +120,12 @@ def check_gemm(
 ) -> None:
     """Both GEMM paths (in-loop and dequantize + matmul) and the dequantize kernel, for
     each dtype and M, against the reference."""
-    from pagedserve.layers.kernels.quant_gemm import dequant_matmul, dequantize, quant_gemm
+    from pagedserve.layers.kernels.quant_gemm import (
+        dequant_matmul,
+        dequantize,
+        pick_config,
+        quant_gemm,
+    )
 
     packed, ref = make_case(layout, k, n, bits, group_size, desc_act, sym)
     packed = packed.to(device)
@@ -126,7 +140,12 @@ def check_gemm(
             x = torch.randn(m, k, dtype=dtype, device=device)
             bias = torch.randn(n, dtype=dtype, device=device) if m % 2 else None
             if not (INTERPRET and dtype == torch.bfloat16 and m > 1):
-                assert_matches(quant_gemm(x, packed, bias).cpu(), x.cpu(), ref, _cpu(bias))
+                y = quant_gemm(x, packed, bias).cpu()
+                assert_matches(y, x.cpu(), ref, _cpu(bias), rounded=m > 1)
+            if m > 1 and not (INTERPRET and dtype == torch.bfloat16):  # out^T = W x^T variant
+                swapped = dataclasses.replace(pick_config(m), swap_ab=True)
+                y = quant_gemm(x, packed, bias, config=swapped, split_k=1).cpu()
+                assert_matches(y, x.cpu(), ref, _cpu(bias))
             if not (INTERPRET and dtype == torch.bfloat16):
                 assert_matches(dequant_matmul(x, packed, bias).cpu(), x.cpu(), ref, _cpu(bias))
 
@@ -219,7 +238,7 @@ def check_row_parallel_act_order(device: str, dtype: torch.dtype) -> None:
     packed = packed.to(device)
     for m in (1, 16):
         x = torch.randn(m, ref.size(0), dtype=dtype, device=device)
-        assert_matches(quant_gemm(x, packed).cpu(), x.cpu(), ref)
+        assert_matches(quant_gemm(x, packed).cpu(), x.cpu(), ref, rounded=m > 1)
         assert_matches(dequant_matmul(x, packed).cpu(), x.cpu(), ref)
 
 
@@ -338,3 +357,53 @@ def test_cpu_layers_are_left_as_loaded() -> None:
     assert all(torch.equal(t, before[name]) for name, t in layer.named_parameters())
     x = torch.randn(3, 256)
     torch.testing.assert_close(layer(x), x @ p.dequantized.T)
+
+
+def greedy(path: Path, device: str, enforce_eager: bool = False) -> list[list[int]]:
+    """Greedy 10-token outputs (float32) of `LLM` on PROMPTS; on CUDA, also checks that every
+    quantized linear runs the kernels (its weights were repacked)."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with LLM(
+        str(path),
+        dtype="float32",
+        device=device,
+        skip_tokenizer_init=True,
+        num_gpu_blocks_override=64,
+        max_model_len=64,
+        enforce_eager=enforce_eager,
+    ) as llm:
+        model = llm.llm_engine.engine_core.executor.worker.runner.model
+        repacked = [
+            hasattr(m, "packed_weights") for m in model.modules() if isinstance(m, LinearBase)
+        ]
+        assert repacked and all(repacked) == (device == "cuda")
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@gpu
+@pytest.mark.parametrize(
+    ("layout", "bits", "group_size", "desc_act", "sym"),
+    [("gptq", 4, 32, True, False), ("gptq", 8, 128, False, True), ("awq", 4, 32, False, False)],
+)
+def test_gpu_greedy_equals_cpu(
+    float_model: Path,  # noqa: F811
+    tmp_path: Path,
+    layout: str,
+    bits: int,
+    group_size: int,
+    desc_act: bool,
+    sym: bool,
+) -> None:
+    """A tiny quantized Llama gives the CPU reference path's greedy tokens on CUDA (Triton
+    kernels; CUDA graphs and eager)."""
+    path = tmp_path / layout
+    if layout == "awq":
+        write_awq_checkpoint(float_model, path, tmp_path / "dequantized", group_size)
+    else:
+        write_gptq_checkpoint(
+            float_model, path, tmp_path / "dequantized", bits, group_size, desc_act, sym
+        )
+    expected = greedy(path, "cpu")
+    assert greedy(path, "cuda") == expected
+    assert greedy(path, "cuda", enforce_eager=True) == expected

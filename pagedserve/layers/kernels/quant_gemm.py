@@ -5,16 +5,19 @@ The weight is in `PackedWeights`' layout (pagedserve/layers/quantization/packed.
 optional act-order permutation `perm` (x's columns are gathered through it inside the kernel)
 and per-row groups `g_idx`. Two paths, picked by the number of rows M of x:
 
-- M < DEQUANT_MATMUL_MIN_M: `quant_gemm`, which dequantizes each [BLOCK_K, BLOCK_N] tile of
-  W^T inside the K loop (fp32 (q - zero) * scale, rounded to x's dtype, then a tensor-core
-  dot with fp32 accumulation; for M = 1 a CUDA-core dot product instead). Small M splits K
-  over several programs (split-K) so that a decode step fills the GPU; the fp32 partial sums
-  are then added (with the bias) by a second small kernel.
+- M < DEQUANT_MATMUL_MIN_M: `quant_gemm`, which dequantizes W^T inside the K loop: each int32
+  word of a [BLOCK_K / pack, BLOCK_N] tile is loaded once and its pack values (rows
+  i*pack + j) are dequantized one j at a time, fp32 (q - zero) * scale, then rounded to x's
+  dtype for a tensor-core dot with fp32 accumulation against x's matching columns (for M = 1,
+  fp32 FMAs on the unrounded weights instead). Small M splits K over several programs
+  (split-K) so that a decode step fills the GPU; the fp32 partial sums are then added (with
+  the bias) by a second small kernel.
 - M >= DEQUANT_MATMUL_MIN_M: `dequantize` writes W^T [K, N] in x's dtype, then cuBLAS.
 
-Numerics: every weight is (q - zero) * scale computed in fp32 and rounded to x's dtype, which
-is exactly the reference `x @ dequantize_gptq(...).to(x.dtype)` weight; only the summation
-order differs (fp32 accumulation), so results agree with the reference within a few units in
+Numerics: every weight is (q - zero) * scale computed exactly in fp32; the tensor-core paths
+round it to x's dtype, which is exactly the reference `x @ dequantize_gptq(...).to(x.dtype)`
+weight, and the M = 1 path keeps it in fp32 (the reference's fp32 weight). Only the summation
+order differs (fp32 accumulation), so results agree with the reference within about a unit in
 the last place of x's dtype (tests/quantization/test_quant_kernels.py states the tolerances).
 No host syncs and no data-dependent shapes: safe inside CUDA graphs.
 """
@@ -43,28 +46,31 @@ MAX_SPLIT_K = 16
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile sizes of `quant_gemm` (BLOCK_M 1: the CUDA-core GEMV variant)."""
+    """Tile sizes of `quant_gemm`. block_m 1: the CUDA-core GEMV variant; swap_ab: the tensor
+    core computes out^T = W x^T, so the dequantized weight (in registers) is the MMA's A
+    operand and only the small x^T tile goes through shared memory (for small M)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    swap_ab: bool = False
 
 
 def pick_config(m: int) -> GemmConfig:
     """Tiles by M (untuned starting points; benchmarks/quant_gemm.py --sweep compares others)."""
     if m == 1:
-        return GemmConfig(1, 64, 128, 4, 3)
+        return GemmConfig(1, 64, 256, 4, 3)
     if m <= 16:
         return GemmConfig(16, 64, 128, 4, 3)
     if m <= 32:
         return GemmConfig(32, 64, 128, 4, 3)
     if m <= 64:
-        return GemmConfig(64, 64, 64, 4, 3)
+        return GemmConfig(64, 64, 128, 4, 3)
     if m <= 128:
-        return GemmConfig(64, 128, 64, 4, 3)
-    return GemmConfig(128, 128, 64, 8, 3)
+        return GemmConfig(64, 128, 128, 4, 3)
+    return GemmConfig(128, 128, 128, 8, 3)
 
 
 @functools.cache
@@ -79,48 +85,60 @@ def _split_k(tiles: int, k_blocks: int, device: torch.device) -> int:
 
 
 @triton.jit
-def _dequant_tile(
-    qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr,
-    offs_k, offs_n, k_start, mask_k, mask_n,
-    stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
-    group_size, zero_value,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    ONE_GROUP_PER_BLOCK: tl.constexpr,
+def _group_params(
+    scales_ptr, zeros_ptr, groups, offs_n, mask,
+    stride_sg, stride_sn, stride_zg, stride_zn, zero_value,
+    HAS_ZEROS: tl.constexpr, SCALAR: tl.constexpr,
 ):  # fmt: skip
-    """W^T[offs_k, offs_n] in fp32 ([BLOCK_K, BLOCK_N])."""
-    PACK: tl.constexpr = 32 // BITS
-    mask = mask_k[:, None] & mask_n[None, :]
-    # Each int32 is loaded by the PACK rows it holds (the repeats hit L1).
-    words = tl.load(
-        qweight_ptr + (offs_k[:, None] // PACK) * stride_qk + offs_n[None, :] * stride_qn,
-        mask=mask, other=0,
-    )  # fmt: skip
-    q = (words >> ((offs_k[:, None] % PACK) * BITS)) & ((1 << BITS) - 1)
-    if ONE_GROUP_PER_BLOCK:  # the block's rows share one row of scales and zeros
-        group = k_start // group_size
-        scales = tl.load(scales_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n)
-        scales = scales.to(tl.float32)[None, :]
-        if HAS_ZEROS:
-            zeros = tl.load(zeros_ptr + group * stride_zg + offs_n * stride_zn, mask=mask_n)
-            q = q - zeros.to(tl.int32)[None, :]
-        else:
-            q = q - zero_value
+    """(scale, 2**23 + zero) in fp32 of rows in `groups` (a scalar when SCALAR: [1, BLOCK_N],
+    else [R]: [R, BLOCK_N]); `mask` masks the loads ([BLOCK_N] or [R, BLOCK_N])."""
+    if SCALAR:
+        offs = groups * stride_sg + offs_n * stride_sn
+        zoffs = groups * stride_zg + offs_n * stride_zn
     else:
-        if HAS_G_IDX:
-            groups = tl.load(g_idx_ptr + offs_k, mask=mask_k, other=0)
-        else:
-            groups = offs_k // group_size
-        scales = tl.load(
-            scales_ptr + groups[:, None] * stride_sg + offs_n[None, :] * stride_sn, mask=mask
-        ).to(tl.float32)
+        offs = groups[:, None] * stride_sg + offs_n[None, :] * stride_sn
+        zoffs = groups[:, None] * stride_zg + offs_n[None, :] * stride_zn
+    scales = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        offset = tl.load(zeros_ptr + zoffs, mask=mask, other=0).to(tl.float32) + 8388608.0
+    else:
+        offset = zero_value + 8388608.0
+    if SCALAR:
+        scales = scales[None, :]
         if HAS_ZEROS:
-            zeros = tl.load(
-                zeros_ptr + groups[:, None] * stride_zg + offs_n[None, :] * stride_zn, mask=mask
-            )
-            q = q - zeros.to(tl.int32)
-        else:
-            q = q - zero_value
-    return q.to(tl.float32) * scales
+            offset = offset[None, :]
+    return scales, offset
+
+
+@triton.jit
+def _dequant(words, j, scales, offset, BITS: tl.constexpr):
+    """Value j of each packed word, dequantized to fp32: exactly (q - zero) * scale.
+
+    0x4B000000 is 2**23 as float32 bits: OR-ing q < 2**23 into the mantissa gives the float
+    2**23 + q, so q - zero = that float - (2**23 + zero) (`offset`) exactly, with no
+    int -> float conversion (a quarter-rate instruction on the GPU) per weight."""
+    q = (words >> (j * BITS)) & ((1 << BITS) - 1)
+    return ((q | 0x4B000000).to(tl.float32, bitcast=True) - offset) * scales
+
+
+@triton.jit
+def _block_group_params(
+    scales_ptr, zeros_ptr, offs_kp, offs_n, mask_kp, mask_n, k_start,
+    stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
+    PACK: tl.constexpr, HAS_ZEROS: tl.constexpr, ONE_GROUP_PER_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Scales and offsets of a K block without g_idx: row i*PACK + j is in group
+    (i*PACK) // group_size for every j (group_size is a multiple of PACK)."""
+    if ONE_GROUP_PER_BLOCK:
+        return _group_params(
+            scales_ptr, zeros_ptr, k_start // group_size, offs_n, mask_n,
+            stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, True,
+        )  # fmt: skip
+    return _group_params(
+        scales_ptr, zeros_ptr, (offs_kp * PACK) // group_size, offs_n,
+        mask_kp[:, None] & mask_n[None, :],
+        stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, False,
+    )  # fmt: skip
 
 
 # M and split_k vary with the batch: not specialized, so a new batch size compiles nothing.
@@ -133,9 +151,11 @@ def _quant_gemm_kernel(
     group_size, zero_value,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
     HAS_PERM: tl.constexpr, ONE_GROUP_PER_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr, IEEE: tl.constexpr,
+    PARTIAL: tl.constexpr, IEEE: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    PACK: tl.constexpr = 32 // BITS
+    BLOCK_KP: tl.constexpr = BLOCK_K // PACK  # packed rows per K block
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # M tiles vary fastest, so programs running together read the same weight tile (L2).
@@ -146,34 +166,50 @@ def _quant_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_block in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
-        k_start = k_block * BLOCK_K
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        # act-order: kernel row k is x's column perm[k]
-        cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0) if HAS_PERM else offs_k
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
-            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+        offs_kp = k_block * BLOCK_KP + tl.arange(0, BLOCK_KP)
+        mask_kp = offs_kp < K // PACK
+        # Each int32 is loaded once; its PACK values are rows i*PACK + j of W^T, and the dot
+        # over K takes the rows in the order (j, i), reading x's columns the same way.
+        words = tl.load(
+            qweight_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+            mask=mask_kp[:, None] & mask_n[None, :], other=0,
         )  # fmt: skip
-        w = _dequant_tile(
-            qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr,
-            offs_k, offs_n, k_start, mask_k, mask_n,
-            stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
-            group_size, zero_value,
-            BITS, HAS_ZEROS, HAS_G_IDX, ONE_GROUP_PER_BLOCK,
-        )  # fmt: skip
-        if BLOCK_M >= 16:
-            if IEEE:
+        if not HAS_G_IDX:
+            scales, offset = _block_group_params(
+                scales_ptr, zeros_ptr, offs_kp, offs_n, mask_kp, mask_n, k_block * BLOCK_K,
+                stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
+                PACK, HAS_ZEROS, ONE_GROUP_PER_BLOCK,
+            )  # fmt: skip
+        for j in tl.static_range(PACK):
+            rows = offs_kp * PACK + j
+            if HAS_G_IDX:  # sorted rows in uneven groups: each row's own group
+                groups = tl.load(g_idx_ptr + rows, mask=mask_kp, other=0)
+                scales, offset = _group_params(
+                    scales_ptr, zeros_ptr, groups, offs_n, mask_kp[:, None] & mask_n[None, :],
+                    stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, False,
+                )  # fmt: skip
+            # act-order: kernel row k is x's column perm[k]
+            cols = tl.load(perm_ptr + rows, mask=mask_kp, other=0) if HAS_PERM else rows
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
+                mask=mask_m[:, None] & mask_kp[None, :], other=0.0,
+            )  # fmt: skip
+            w = _dequant(words, j, scales, offset, BITS)  # [BLOCK_KP, BLOCK_N] fp32
+            if BLOCK_M < 16:  # GEMV: no tensor cores below 16 rows; fp32 FMAs
+                acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+            elif IEEE:
                 acc += tl.dot(x, w, input_precision="ieee")
+            elif SWAP_AB:
+                acc += tl.dot(tl.trans(w.to(x.dtype)), tl.trans(x))
             else:
                 acc += tl.dot(x, w.to(x.dtype))
-        else:  # GEMV: no tensor cores below 16 rows; multiply-add on CUDA cores
-            x32 = x.to(tl.float32)
-            if not IEEE:  # the weight rounded to x's dtype, as the tensor-core path
-                w = w.to(x.dtype).to(tl.float32)
-            acc += tl.sum(x32[:, :, None] * w[None, :, :], axis=1)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     out_mask = mask_m[:, None] & mask_n[None, :]
     out_offs = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     if PARTIAL:
@@ -209,24 +245,39 @@ def _dequantize_kernel(
     HAS_PERM: tl.constexpr, ONE_GROUP_PER_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    k_start = tl.program_id(0) * BLOCK_K
-    offs_k = k_start + tl.arange(0, BLOCK_K)
+    PACK: tl.constexpr = 32 // BITS
+    BLOCK_KP: tl.constexpr = BLOCK_K // PACK
+    offs_kp = tl.program_id(0) * BLOCK_KP + tl.arange(0, BLOCK_KP)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_k = offs_k < K
+    mask_kp = offs_kp < K // PACK
     mask_n = offs_n < N
-    w = _dequant_tile(
-        qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr,
-        offs_k, offs_n, k_start, mask_k, mask_n,
-        stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
-        group_size, zero_value,
-        BITS, HAS_ZEROS, HAS_G_IDX, ONE_GROUP_PER_BLOCK,
+    mask = mask_kp[:, None] & mask_n[None, :]
+    words = tl.load(
+        qweight_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+        mask=mask, other=0,
     )  # fmt: skip
-    # back to the checkpoint's row order, so x needs no permutation
-    rows = tl.load(perm_ptr + offs_k, mask=mask_k, other=0) if HAS_PERM else offs_k
-    tl.store(
-        out_ptr + rows[:, None] * stride_ok + offs_n[None, :] * stride_on,
-        w.to(out_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_n[None, :],
-    )  # fmt: skip
+    if not HAS_G_IDX:
+        scales, offset = _block_group_params(
+            scales_ptr, zeros_ptr, offs_kp, offs_n, mask_kp, mask_n,
+            tl.program_id(0) * BLOCK_K,
+            stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
+            PACK, HAS_ZEROS, ONE_GROUP_PER_BLOCK,
+        )  # fmt: skip
+    for j in tl.static_range(PACK):
+        rows = offs_kp * PACK + j
+        if HAS_G_IDX:
+            groups = tl.load(g_idx_ptr + rows, mask=mask_kp, other=0)
+            scales, offset = _group_params(
+                scales_ptr, zeros_ptr, groups, offs_n, mask,
+                stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, False,
+            )  # fmt: skip
+        # back to the checkpoint's row order, so x needs no permutation
+        out_rows = tl.load(perm_ptr + rows, mask=mask_kp, other=0) if HAS_PERM else rows
+        w = _dequant(words, j, scales, offset, BITS)
+        tl.store(
+            out_ptr + out_rows[:, None] * stride_ok + offs_n[None, :] * stride_on,
+            w.to(out_ptr.dtype.element_ty), mask=mask,
+        )  # fmt: skip
 
 
 def _weight_args(w: PackedWeights, block_k: int) -> tuple[list[object], dict[str, object]]:
@@ -249,13 +300,10 @@ def _weight_args(w: PackedWeights, block_k: int) -> tuple[list[object], dict[str
     return [*ptrs, *strides], flags
 
 
-def _block_k(w: PackedWeights, block_k: int) -> int:
-    """Shrink BLOCK_K to a smaller power-of-two group size (32, 64), so that a block reads one
-    row of scales."""
-    size = w.group_size
-    if w.g_idx is None and 16 <= size < block_k and size & (size - 1) == 0:
-        return size
-    return block_k
+def _block_k(w: PackedWeights, config: GemmConfig) -> int:
+    """BLOCK_K of `config`, at least 16 packed rows for a tensor-core dot (a dot's K >= 16)."""
+    pack = 32 // w.bits
+    return max(config.block_k, 16 * pack) if config.block_m >= 16 else config.block_k
 
 
 def quant_gemm(
@@ -272,7 +320,7 @@ def quant_gemm(
     if m == 0:
         return out
     config = config or pick_config(m)
-    block_k = _block_k(w, config.block_k)
+    block_k = _block_k(w, config)
     weight_args, flags = _weight_args(w, block_k)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     if split_k is None:
@@ -286,7 +334,8 @@ def quant_gemm(
         m, n, k, split_k, x.stride(0), x.stride(1), *weight_args[4:],
         stride_os, target.stride(-2), target.stride(-1), w.group_size, w.zero_value,
         HAS_PERM=w.perm is not None, HAS_BIAS=bias is not None, PARTIAL=partial,
-        IEEE=x.dtype == torch.float32, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        IEEE=x.dtype == torch.float32, SWAP_AB=config.swap_ab and x.dtype != torch.float32,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages, **flags,
     )  # fmt: skip
     if partial:
@@ -305,7 +354,7 @@ def dequantize(
     """The float weight W^T, each element (q - zero) * scale in fp32 rounded to `dtype`."""
     k, n = w.in_features, w.out_features
     out = torch.empty(k, n, dtype=dtype, device=w.qweight.device)
-    block_n, block_k = 128, _block_k(w, 64)
+    block_n, block_k = 128, 128
     weight_args, flags = _weight_args(w, block_k)
     _dequantize_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, block_n))](
         *weight_args[:4], w.perm if w.perm is not None else w.qweight, out,
