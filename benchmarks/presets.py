@@ -1,9 +1,13 @@
 """Config-only model folders of well-known architectures, for `--load-format dummy` runs.
 
 Each preset writes just config.json (the published architecture's hyperparameters); weights
-are random, which does not change timing once `ignore_eos` fixes the output lengths.
+are random, which does not change timing once `ignore_eos` fixes the output lengths. With a
+weight quantization (`--quantization gptq|awq`, see `add_quantization_args`) the config.json
+also gets the `quantization_config` a GPTQ / AWQ checkpoint of it would carry, so the dummy
+model is built with the quantized linear layers (integer tensors 0, scales random).
 """
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -107,11 +111,58 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def materialize(name: str, folder: Path) -> Path:
-    """Write preset `name`'s config.json into `folder/name` and return that folder."""
+# `--quantization` values whose checkpoints carry a quantization_config that a preset can be
+# given (the others, e.g. online fp8, are passed to the engine as they are).
+CHECKPOINT_QUANTIZATIONS = ("gptq", "awq")
+
+
+def add_quantization_args(parser: argparse.ArgumentParser) -> None:
+    """--quantization and the GPTQ / AWQ parameters of the preset's quantization_config."""
+    parser.add_argument(
+        "--quantization",
+        help="weight quantization (the engine's option); with --preset, gptq / awq also write "
+        "the quantization_config into the preset's config.json (dummy quantized weights)",
+    )
+    parser.add_argument("--quant-bits", type=int, default=4, help="gptq: 4 or 8")
+    parser.add_argument("--quant-group-size", type=int, default=128, help="-1, 32, 64, 128")
+    parser.add_argument("--quant-desc-act", action="store_true", help="gptq: act-order")
+    parser.add_argument("--quant-asym", action="store_true", help="gptq: sym false")
+
+
+def quantization_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The quantization_config of `add_quantization_args`' flags (defaults: 4-bit, group 128,
+    symmetric, no act-order, AutoGPTQ's v1 format; AWQ GEMM with zero points), or None when
+    --quantization is not a checkpoint format."""
+    method = getattr(args, "quantization", None)
+    if method == "gptq":
+        return {
+            "quant_method": "gptq",
+            "bits": args.quant_bits,
+            "group_size": args.quant_group_size,
+            "desc_act": args.quant_desc_act,
+            "sym": not args.quant_asym,
+            "checkpoint_format": "gptq",
+        }
+    if method == "awq":
+        return {
+            "quant_method": "awq",
+            "bits": args.quant_bits,
+            "group_size": args.quant_group_size,
+            "zero_point": True,
+            "version": "gemm",
+        }
+    return None
+
+
+def materialize(name: str, folder: Path, quantization: dict[str, Any] | None = None) -> Path:
+    """Write preset `name`'s config.json (with `quantization` as its quantization_config
+    when given) into `folder/name` and return that folder."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     path = folder / name
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(PRESETS[name], indent=1))
+    config = dict(PRESETS[name])
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    (path / "config.json").write_text(json.dumps(config, indent=1))
     return path

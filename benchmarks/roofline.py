@@ -8,6 +8,8 @@ clock of --steps back-to-back steps, divided by --steps). The floor is
 device-to-device copy (bytes read + written). MBU = floor / measured time.
 
   python benchmarks/roofline.py --preset llama-3.1-8b --context 1024 --batch-size 1
+  python benchmarks/roofline.py --preset llama-3.1-8b --context 1024 --batch-size 1 \
+      --quantization gptq          # GPTQ 4-bit g128 sym (--quant-* flags change it)
 """
 
 import argparse
@@ -19,7 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.presets import PRESETS, materialize  # noqa: E402
+from benchmarks.presets import (  # noqa: E402
+    PRESETS,
+    add_quantization_args,
+    materialize,
+    quantization_config,
+)
 
 
 def measure_copy_bandwidth(num_bytes: int = 4 << 30) -> float:
@@ -54,9 +61,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--enforce-eager", action="store_true")
+    add_quantization_args(parser)
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
-    model = str(materialize(args.preset, Path(tmp.name)))
+    model = str(materialize(args.preset, Path(tmp.name), quantization_config(args)))
     llm = LLM(
         model,
         load_format="dummy",
@@ -66,6 +74,7 @@ def main() -> None:
         max_num_seqs=max(args.batch_size, 1),
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.9,
+        quantization=args.quantization,
     )
     engine = llm.llm_engine
     runner = engine.engine_core.executor.worker.runner
@@ -131,6 +140,7 @@ def main() -> None:
             {
                 "benchmark": "roofline",
                 "preset": args.preset,
+                "quantization": quantization_config(args) or args.quantization,
                 "context": args.context,
                 "batch_size": args.batch_size,
                 "cuda_graphs": graphs is not None,

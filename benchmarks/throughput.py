@@ -7,6 +7,7 @@ request at a time on the same model (the classic baseline); with --hf-batch, tra
 
   python benchmarks/throughput.py --preset tiny-llama-4m --num-prompts 32 --input-len 64 \
       --output-len 64 --device cpu --hf-sequential
+  python benchmarks/throughput.py --preset llama-3.1-8b --quantization gptq   # 4-bit g128
 """
 
 import argparse
@@ -20,7 +21,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_commit  # noqa: E402
-from benchmarks.presets import PRESETS, materialize  # noqa: E402
+from benchmarks.presets import (  # noqa: E402
+    PRESETS,
+    add_quantization_args,
+    materialize,
+    quantization_config,
+)
 
 
 def parse_len(text: str) -> tuple[int, int]:
@@ -58,6 +64,7 @@ def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict
         "max_num_batched_tokens",
         "kv_cache_memory_bytes",
         "attention_backend",
+        "quantization",
     ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
@@ -191,6 +198,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int)
     parser.add_argument("--attention-backend")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    add_quantization_args(parser)
     parser.add_argument(
         "--hf-sequential",
         action="store_true",
@@ -209,7 +217,7 @@ def main() -> None:
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
     if args.preset:
-        model = str(materialize(args.preset, Path(tmp.name)))
+        model = str(materialize(args.preset, Path(tmp.name), quantization_config(args)))
         args.load_format, args.skip_tokenizer_init = "dummy", True
     else:
         from pagedserve.config import DEFAULT_MODEL
@@ -251,6 +259,7 @@ def main() -> None:
                 "output_len": args.output_len,
                 "device": args.device,
                 "dtype": args.dtype,
+                "quantization": quantization_config(args) or args.quantization,
                 "results": {
                     k: {**v, "output_tok_s": v["output_tokens"] / v["seconds"]}
                     for k, v in results.items()

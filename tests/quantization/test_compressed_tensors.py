@@ -16,11 +16,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.layers.quantization.compressed_tensors import (
-    CompressedTensorsWNA16Method,
-    pack_int32,
-)
-from pagedserve.layers.quantization.gptq import unpack_int32
+from pagedserve.layers.quantization.compressed_tensors import CompressedTensorsWNA16Method
+from pagedserve.layers.quantization.packed import pack_int32, unpack_int32
 from pagedserve.models.loader import load_model
 from pagedserve.quant_config import CompressedTensorsConfig, Fp8Config, GPTQConfig
 

@@ -1,4 +1,5 @@
-"""Triton kernels of the small fused layer ops, used for half-precision CUDA tensors only."""
+"""Triton kernels of the layers, used for CUDA tensors only: the small fused ops (half
+precision; `fused_ops`) and the GPTQ / AWQ weight-only GEMM (`quant_gemm`)."""
 
 import functools
 
@@ -21,3 +22,9 @@ def use_fused_ops(x: torch.Tensor) -> bool:
 
     Float32 keeps the PyTorch ops, which match transformers bit for bit in the tests."""
     return x.is_cuda and x.dtype in _HALF and _triton_importable()
+
+
+def use_quant_kernels(weight: torch.Tensor) -> bool:
+    """Whether the Triton GPTQ / AWQ GEMM serves a layer whose quantized weight is `weight`:
+    on a CUDA device, with Triton importable (any float activation dtype)."""
+    return weight.is_cuda and _triton_importable()

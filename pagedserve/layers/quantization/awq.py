@@ -1,5 +1,6 @@
-"""AWQ weight-only quantization (AutoAWQ "gemm" checkpoints): the parameters and the CPU
-reference matmul (dequantize, then a dense matmul).
+"""AWQ weight-only quantization (AutoAWQ "gemm" checkpoints): the parameters, the torch
+reference matmul (dequantize, then a dense matmul) used on the CPU, and on CUDA the conversion
+to the Triton kernels' layout (qweight repacked along K: `packed.py`).
 
 The layout, as AutoAWQ's `WQLinear_GEMM.from_linear` writes it (awq/modules/linear/gemm.py,
 awq/utils/packing_utils.py) and vLLM's AWQ method reads it, for a weight W [N out, K in]:
@@ -28,7 +29,11 @@ from pagedserve.layers.quantization.base import (
     layer_tensor,
     register_param,
 )
-from pagedserve.layers.quantization.gptq import unpack_int32
+from pagedserve.layers.quantization.packed import (
+    PackedWeights,
+    awq_packed_weights,
+    unpack_int32,
+)
 from pagedserve.quant_config import AWQConfig
 
 # Position (within a run of 8 output columns) of the value in nibble j of an AWQ word.
@@ -49,7 +54,10 @@ def dequantize_awq(
 
 
 class AWQLinearMethod(DequantizingLinearMethod):
-    """AWQ linear method (vLLM's `AWQLinearMethod`); CPU reference `apply`."""
+    """AWQ linear method (vLLM's `AWQLinearMethod`): the Triton GEMM on CUDA, the torch
+    reference elsewhere (`DequantizingLinearMethod`)."""
+
+    checkpoint_tensors = ("qweight", "qzeros", "scales")
 
     def __init__(self, quant_config: AWQConfig) -> None:
         self.quant_config = quant_config
@@ -94,4 +102,14 @@ class AWQLinearMethod(DequantizingLinearMethod):
             layer_tensor(layer, "qzeros"),
             layer_tensor(layer, "scales"),
             self.quant_config.group_size,
+        )
+
+    def packed_weights(self, layer: nn.Module) -> PackedWeights:
+        """This rank's AWQ tensors in the kernels' layout (qweight repacked along K)."""
+        return awq_packed_weights(
+            layer_tensor(layer, "qweight"),
+            layer_tensor(layer, "qzeros"),
+            layer_tensor(layer, "scales"),
+            self.quant_config.group_size,
+            AWQ_PACK_ORDER,
         )

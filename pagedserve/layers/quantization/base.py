@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.layers.kernels import use_quant_kernels
+from pagedserve.layers.quantization.packed import PackedWeights
+
 
 def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
     """Attach loading metadata (e.g. `weight_loader`, `output_dim`) to a parameter, as vLLM."""
@@ -111,15 +114,49 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 
 class DequantizingLinearMethod(LinearMethodBase):
-    """A quantized method whose CPU reference `apply` dequantizes this rank's weight and runs
-    a dense matmul (the reference future GPU kernels are checked against)."""
+    """A packed-integer method (GPTQ, AWQ) with two `apply` paths:
+
+    - CUDA with Triton: `process_weights_after_loading` converts the checkpoint tensors
+      (`checkpoint_tensors`, then removed from the layer) into `PackedWeights`, kept as the
+      layer's submodule `packed_weights`, and `apply` runs the Triton GEMM
+      (`pagedserve.layers.kernels.quant_gemm.quant_linear`).
+    - otherwise (CPU, or no Triton): the torch reference, which dequantizes this rank's weight
+      and runs a dense matmul; the checkpoint tensors stay as loaded. The GPU kernels are
+      tested against it.
+    """
+
+    # The parameters `create_weights` registers, replaced by `packed_weights` on the GPU path.
+    checkpoint_tensors: tuple[str, ...] = ()
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:  # [K / tp, N / tp] float32
         """This rank's float weight W^T from the layer's quantized parameters."""
         raise NotImplementedError
 
+    def packed_weights(self, layer: nn.Module) -> PackedWeights | None:
+        """The layer's weight in the GPU kernels' layout (None: this method has no kernel)."""
+        return None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack for the Triton kernels when the weights are on a CUDA device and Triton is
+        importable (once; a later call is a no-op); CPU tensors are left untouched."""
+        if hasattr(layer, "packed_weights") or not self.checkpoint_tensors:
+            return
+        if not use_quant_kernels(layer_tensor(layer, self.checkpoint_tensors[0])):
+            return
+        packed = self.packed_weights(layer)
+        if packed is None:
+            return
+        for name in self.checkpoint_tensors:
+            delattr(layer, name)
+        layer.packed_weights = packed
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        packed = getattr(layer, "packed_weights", None)
+        if packed is not None:
+            from pagedserve.layers.kernels.quant_gemm import quant_linear
+
+            return quant_linear(x, packed, bias)
         out = x @ self.dequantize(layer).to(x.dtype)
         return out + bias if bias is not None else out

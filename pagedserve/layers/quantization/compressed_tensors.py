@@ -34,24 +34,9 @@ from pagedserve.layers.quantization.base import (
     layer_tensor,
     register_param,
 )
-from pagedserve.layers.quantization.gptq import GPTQLinearMethod, unpack_int32
+from pagedserve.layers.quantization.gptq import GPTQLinearMethod
+from pagedserve.layers.quantization.packed import pack_int32, unpack_int32
 from pagedserve.quant_config import GPTQConfig
-
-
-def pack_int32(
-    values: torch.Tensor,  # int, values in [0, 2**bits), size along `dim` a multiple of 32/bits
-    bits: int,
-    dim: int,
-) -> torch.Tensor:  # int32, size along `dim` divided by 32 // bits
-    """Pack 32 // bits consecutive values along `dim` into each int32, lowest bits first (the
-    inverse of `unpack_int32` without an order)."""
-    pack = 32 // bits
-    moved = values.movedim(dim, -1).to(torch.int64)
-    grouped = moved.reshape(*moved.shape[:-1], moved.shape[-1] // pack, pack)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
-    words = (grouped << shifts).sum(dim=-1)
-    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement int32
-    return words.to(torch.int32).movedim(-1, dim)
 
 
 class CompressedTensorsWNA16Method(LinearMethodBase):

@@ -1,6 +1,6 @@
-"""GPTQ weight-only quantization (AutoGPTQ / GPTQModel checkpoints): the parameters and the
-CPU reference matmul (dequantize, then a dense matmul), which future GPU kernels are checked
-against.
+"""GPTQ weight-only quantization (AutoGPTQ / GPTQModel checkpoints): the parameters, the
+torch reference matmul (dequantize, then a dense matmul) used on the CPU, and on CUDA the
+conversion to the Triton kernels' layout (`packed.py`, `pagedserve/layers/kernels/quant_gemm.py`).
 
 The layout, as AutoGPTQ's `QuantLinear.pack` writes it (auto_gptq/nn_modules/qlinear/
 qlinear_cuda_old.py) and vLLM's GPTQ method reads it, for a weight W [N out, K in]:
@@ -31,26 +31,12 @@ from pagedserve.layers.quantization.base import (
     layer_tensor,
     register_param,
 )
+from pagedserve.layers.quantization.packed import (
+    PackedWeights,
+    gptq_packed_weights,
+    unpack_int32,
+)
 from pagedserve.quant_config import GPTQConfig
-
-
-def unpack_int32(
-    packed: torch.Tensor,  # int32, packed along `dim`
-    bits: int,
-    dim: int,
-    order: tuple[int, ...] | None = None,
-) -> torch.Tensor:  # int32, packed.size(dim) * (32 // bits) along `dim`, values in [0, 2**bits)
-    """Split each int32 into its 32 // bits values, lowest bits first, along `dim`.
-
-    `order[j]` is the position (in the unpacked run of 32 // bits values) of the value stored
-    in bits [j*bits, (j+1)*bits); None is the identity (GPTQ)."""
-    pack = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-    moved = packed.movedim(dim, -1)
-    values = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., n, pack]
-    if order is not None:
-        values = values[..., torch.argsort(torch.tensor(order, device=packed.device))]
-    return values.reshape(*moved.shape[:-1], moved.shape[-1] * pack).movedim(-1, dim)
 
 
 def dequantize_gptq(
@@ -69,7 +55,10 @@ def dequantize_gptq(
 
 
 class GPTQLinearMethod(DequantizingLinearMethod):
-    """GPTQ linear method (vLLM's `GPTQLinearMethod`); CPU reference `apply`."""
+    """GPTQ linear method (vLLM's `GPTQLinearMethod`): the Triton GEMM on CUDA, the torch
+    reference elsewhere (`DequantizingLinearMethod`)."""
+
+    checkpoint_tensors = ("qweight", "qzeros", "scales", "g_idx")
 
     def __init__(self, quant_config: GPTQConfig) -> None:
         self.quant_config = quant_config
@@ -149,3 +138,12 @@ class GPTQLinearMethod(DequantizingLinearMethod):
             config.weight_bits,
             config.zero_offset,
         )
+
+    def packed_weights(self, layer: nn.Module) -> PackedWeights:
+        """This rank's GPTQ tensors in the kernels' layout; with act-order the rows are sorted
+        by group and x's columns are gathered through the permutation at apply time."""
+        config = self.quant_config
+        qweight, qzeros, scales = (layer_tensor(layer, n) for n in self.checkpoint_tensors[:3])
+        groups = self.groups(layer)
+        bits, offset = config.weight_bits, config.zero_offset
+        return gptq_packed_weights(qweight, qzeros, scales, groups, bits, offset, self.group_size)
