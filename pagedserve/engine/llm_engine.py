@@ -6,7 +6,7 @@ from typing import Any
 from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from pagedserve.engine.model_files import log_diff_sampling_param
+from pagedserve.engine.model_files import log_diff_sampling_param, remote_code_error
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv_cache.manager import check_fits_cache
@@ -21,9 +21,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     whole texts are its words (`drop_whole_text_word_cache`)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        path, local_files_only=True, trust_remote_code=trust_remote_code
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except ValueError as e:
+        raise remote_code_error(e, "tokenizer", path, "tokenizer_config.json") from None
     drop_whole_text_word_cache(tokenizer)
     return tokenizer
 

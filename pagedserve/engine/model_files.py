@@ -53,16 +53,25 @@ def load_hf_config(
             model, local_files_only=True, trust_remote_code=trust_remote_code
         )
     except ValueError as e:
-        if trust_remote_code or "trust_remote_code" not in str(e):
-            raise
-        auto_map = json.loads((path / "config.json").read_text()).get("auto_map")
-        raise UnsupportedModelError(
-            f"model {model!r} needs its own code to load (config.json's auto_map: {auto_map}); "
-            f"pass --trust-remote-code (LLM(..., trust_remote_code=True)) to run it"
-        ) from None
+        raise remote_code_error(e, "model", model, "config.json") from None
     if hf_overrides:
         apply_hf_overrides(config, hf_overrides)
     return config
+
+
+def remote_code_error(error: ValueError, what: str, folder: str, file: str) -> ValueError:
+    """transformers' refusal to run a folder's own code without trust_remote_code, as one
+    line saying to pass it (UnsupportedModelError); any other ValueError as it is."""
+    if "trust_remote_code" not in str(error):
+        return error
+    try:
+        auto_map = json.loads((Path(folder) / file).read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        auto_map = None
+    return UnsupportedModelError(
+        f"{what} {folder!r} needs its own Python code to load ({file}'s auto_map: {auto_map}); "
+        f"pass --trust-remote-code (LLM(..., trust_remote_code=True)) to run it"
+    )
 
 
 def apply_hf_overrides(config: Any, overrides: dict[str, Any]) -> None:

@@ -12,7 +12,6 @@ import pytest
 
 from pagedserve.config import DEFAULT_MODEL
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.hub import resolve_model_folder
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.errors import UnsupportedModelError
@@ -188,18 +187,3 @@ def test_gated_missing_and_unknown_revision_give_the_hubs_reason(
             EngineArgs(model=name, revision=revision, **SMALL).create_engine_config()
     message = str(info.value)
     assert "\n" not in message and reason in message and repr(name) in message
-
-
-def test_async_engine_resolves_once_for_its_core(online: Path) -> None:
-    """The engine-core process loads the folder the server's process resolved: one model
-    lookup on the Hub, not one per process."""
-    with serve_hub({REPO: HubRepo(STORIES, COMMIT)}) as hub, pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_ENDPOINT", hub.endpoint)
-        engine = AsyncLLMEngine(EngineArgs(model=REPO, **SMALL), log_stats=False)
-        try:
-            lookups = [p for m, p, _ in hub.requests if p.startswith("/api/models/")]
-            assert lookups.count(f"/api/models/{REPO}/revision/main") == 1
-            assert engine.model_config.model_name == REPO
-            assert Path(engine.model_config.model).name == COMMIT
-        finally:
-            engine.shutdown()
