@@ -7,7 +7,10 @@ from these fields. Import rule: a leaf; imports nothing from pagedserve (torch o
 check a CUDA device), and the torch-free leaf `pagedserve.quant_config`.
 """
 
+import argparse
 import dataclasses
+import json
+import os
 import re
 from dataclasses import dataclass
 from importlib.resources import files
@@ -20,6 +23,17 @@ DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's; also InputProcessor's default
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type of a JSON object flag (`--hf-overrides '{"key": 1}'`)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text!r}")
+    return value
 
 
 def option(
@@ -61,15 +75,21 @@ def option_default(f: dataclasses.Field[Any]) -> Any:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
-    """Which model to run and how. `hf_config` (the loaded `transformers.PretrainedConfig`) and
-    `eos_token_ids` are read from the model folder, not options."""
+    """Which model to run and how. `model` and `tokenizer` hold local folders (a Hub id is
+    resolved to its folder in the Hugging Face cache when the config is built; `model_name`
+    keeps the name the user gave). `hf_config` (the loaded `transformers.PretrainedConfig`,
+    with `hf_overrides`), `eos_token_ids` and `diff_sampling_param` (the sampling defaults of
+    the generation config) are read from the model folder, not options."""
 
     model: str = option(
         DEFAULT_MODEL,
-        help="local Hugging Face model folder",
+        help="Hugging Face model: a local folder, or a Hub id (ORG/NAME) downloaded to the "
+        "Hugging Face cache",
         default_text="the bundled stories260k",
     )
-    tokenizer: str = option(help="tokenizer folder", default_text="the model folder")
+    tokenizer: str = option(
+        help="tokenizer: a local folder or a Hub id", default_text="the model's"
+    )
     skip_tokenizer_init: bool = option(
         False, help="load no tokenizer: prompts must be token ids, outputs have no text"
     )
@@ -95,8 +115,46 @@ class ModelConfig:
         default_text="config.json's quantization_config.quant_method; none if absent",
         cli={"choices": QUANTIZATION_METHODS},
     )
+    # Where the model's files come from and how they are read (issue 16).
+    revision: str | None = option(
+        None,
+        help="Hub revision (branch, tag or commit) of the model when --model is a Hub id",
+        default_text="the repository's main branch",
+    )
+    tokenizer_revision: str | None = option(
+        None,
+        help="Hub revision of the tokenizer when --tokenizer is a Hub id",
+        default_text="--revision",
+    )
+    download_dir: str | None = option(
+        None,
+        help="Hugging Face cache folder that Hub models are downloaded to and looked up in",
+        default_text="$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub",
+    )
+    trust_remote_code: bool = option(
+        False,
+        help="let transformers run the Python code of the model folder (config.json's "
+        "auto_map) for its config and tokenizer",
+    )
+    hf_overrides: dict[str, Any] | None = option(
+        None,
+        help="JSON object merged into the model's config.json after it is read (a nested "
+        "object updates a nested config, such as text_config)",
+        cli={"type": json_object, "metavar": "JSON"},
+    )
+    generation_config: str = option(
+        "auto",
+        help="defaults of the sampling parameters (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_tokens) that a request leaves out: auto (the model's "
+        "generation_config.json), vllm (vLLM's neutral defaults) or a folder holding a "
+        "generation_config.json",
+    )
     hf_config: Any
     eos_token_ids: tuple[int, ...]
+    # The model as the user named it (a Hub id or a folder); `model` is its local folder.
+    model_name: str = ""
+    # generation_config's sampling defaults (vLLM's get_diff_sampling_param); {} for "vllm".
+    diff_sampling_param: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not -(2**63) <= self.seed < 2**64:  # torch.manual_seed's range
@@ -111,6 +169,13 @@ class ModelConfig:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}"
             )
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(
+            self.generation_config
+        ):
+            raise ValueError(
+                f"generation_config must be auto, vllm or a folder holding a "
+                f"generation_config.json, got {self.generation_config!r} (no such folder)"
+            )
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         model_max_len = get_model_max_len(self.hf_config)
@@ -119,6 +184,11 @@ class ModelConfig:
                 f"max_model_len ({self.max_model_len}) is larger than the model's context length "
                 f"({model_max_len}, from config.json)"
             )
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The sampling defaults the generation config sets (vLLM's name): a copy of
+        `diff_sampling_param`, e.g. {"temperature": 0.6, "max_tokens": 512}."""
+        return dict(self.diff_sampling_param)
 
 
 def get_model_max_len(hf_config: Any) -> int:

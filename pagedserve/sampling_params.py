@@ -27,8 +27,16 @@ class _DefaultMaxTokens(int):
 DEFAULT_MAX_TOKENS: int = _DefaultMaxTokens(16)
 
 
+def default_max_tokens(max_tokens: int) -> int:
+    """`max_tokens` marked as a default that the user did not choose (the model's
+    generation_config.json max_new_tokens): the engine lowers it to what the context leaves
+    after the prompt, as it lowers `DEFAULT_MAX_TOKENS`."""
+    return _DefaultMaxTokens(max_tokens)
+
+
 def is_default_max_tokens(max_tokens: int | None) -> bool:
-    """Whether `max_tokens` is the unchosen default (`DEFAULT_MAX_TOKENS`), not a user's 16."""
+    """Whether `max_tokens` is an unchosen default (`DEFAULT_MAX_TOKENS`, `default_max_tokens`),
+    not a user's value."""
     return isinstance(max_tokens, _DefaultMaxTokens)
 
 

@@ -4,13 +4,12 @@ Each option's default, help and validation live on its config field (pagedserve.
 fields here only name the options and their user-facing types, and take the rest from there.
 """
 
-import json
+import dataclasses
 import numbers
 import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, TypeVar
 
 from pagedserve.config import (
@@ -25,7 +24,14 @@ from pagedserve.config import (
     is_option,
     option_default,
 )
-from pagedserve.errors import UnsupportedModelError
+from pagedserve.engine.hub import resolve_model_folder
+from pagedserve.engine.model_files import (
+    diff_sampling_param,
+    generation_config_folder,
+    load_hf_config,
+    read_eos_token_ids,
+    read_generation_config,
+)
 from pagedserve.quant_config import resolve_quantization
 
 # Who builds the engine (vLLM's UsageContext): the offline `LLM` class gets a larger default
@@ -105,6 +111,12 @@ class EngineArgs:
     max_logprobs: int = _FROM_CONFIG
     load_format: str = _FROM_CONFIG
     quantization: str | None = _FROM_CONFIG
+    revision: str | None = _FROM_CONFIG
+    tokenizer_revision: str | None = _FROM_CONFIG
+    download_dir: str | None = _FROM_CONFIG
+    trust_remote_code: bool = _FROM_CONFIG
+    hf_overrides: dict[str, Any] | None = _FROM_CONFIG
+    generation_config: str = _FROM_CONFIG
     block_size: int = _FROM_CONFIG
     gpu_memory_utilization: float = _FROM_CONFIG
     kv_cache_memory_bytes: int | None = _FROM_CONFIG
@@ -127,6 +139,10 @@ class EngineArgs:
             self.model = os.fspath(self.model)
         if isinstance(self.tokenizer, os.PathLike):
             self.tokenizer = os.fspath(self.tokenizer)
+        if isinstance(self.download_dir, os.PathLike):
+            self.download_dir = os.fspath(self.download_dir)
+        if isinstance(self.generation_config, os.PathLike):
+            self.generation_config = os.fspath(self.generation_config)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -143,7 +159,9 @@ class EngineArgs:
         no model are checked before the model's config is read. The quantization method is
         the option's, else the checkpoint's (`quant_config.resolve_quantization`: ValueError
         when they contradict or the checkpoint's bits/group size are unsupported,
-        NotImplementedError for a method not implemented yet).
+        NotImplementedError for a method not implemented yet). A model or tokenizer that is
+        a Hub id is resolved to its local folder here (`engine.hub`; UnsupportedModelError
+        when it cannot be found or fetched).
         """
         if usage_context not in USAGE_CONTEXTS:
             raise ValueError(
@@ -153,18 +171,7 @@ class EngineArgs:
         device_config = self._build(DeviceConfig)
         cache_config = self._build(CacheConfig)
         parallel_config = self._build(ParallelConfig)
-        hf_config = load_hf_config(self.model)
-        max_model_len = self.max_model_len
-        if max_model_len is None:
-            max_model_len = get_model_max_len(hf_config)
-        model_config = self._build(
-            ModelConfig,
-            tokenizer=self.tokenizer or self.model,
-            max_model_len=max_model_len,
-            quantization=resolve_quantization(self.quantization, hf_config),
-            hf_config=hf_config,
-            eos_token_ids=read_eos_token_ids(self.model, hf_config),
-        )
+        model_config = self._build_model_config()
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(
@@ -180,6 +187,55 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=device_config,
         )
+
+    def _build_model_config(self) -> ModelConfig:
+        """Resolve Hub ids to local folders (once: everything after reads those), read the
+        model's config and generation config, and build the ModelConfig."""
+        model = resolve_model_folder(
+            self.model,
+            self.revision,
+            self.download_dir,
+            weights=self.load_format != "dummy",
+            trust_remote_code=self.trust_remote_code,
+        )
+        tokenizer_revision = self.tokenizer_revision or self.revision  # vLLM's default
+        tokenizer = model
+        if self.tokenizer is not None and not self.skip_tokenizer_init:
+            tokenizer = resolve_model_folder(
+                self.tokenizer,
+                tokenizer_revision,
+                self.download_dir,
+                what="tokenizer",
+                weights=False,
+                trust_remote_code=self.trust_remote_code,
+            )
+        hf_config = load_hf_config(model, self.trust_remote_code, self.hf_overrides)
+        generation_config = read_generation_config(
+            generation_config_folder(model, self.generation_config)
+        )
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = get_model_max_len(hf_config)
+        config: ModelConfig = self._build(
+            ModelConfig,
+            model=model,
+            tokenizer=tokenizer,
+            tokenizer_revision=tokenizer_revision,
+            max_model_len=max_model_len,
+            quantization=resolve_quantization(self.quantization, hf_config),
+            hf_config=hf_config,
+            eos_token_ids=read_eos_token_ids(model, hf_config, generation_config),
+            model_name=self.model,
+            diff_sampling_param=diff_sampling_param(generation_config, self.generation_config),
+        )
+        return config
+
+    def resolved(self, config: EngineConfig) -> "EngineArgs":
+        """These options with the model and tokenizer as the local folders `config` resolved
+        them to: what another process (the engine core) builds its config from, so that it
+        reads the same files and never the Hub."""
+        model_config = config.model_config
+        return dataclasses.replace(self, model=model_config.model, tokenizer=model_config.tokenizer)
 
     def _build(self, config: Any, **derived: Any) -> Any:
         """The config dataclass `config` from this object's options of the same names, and
@@ -210,7 +266,8 @@ _WRONG = object()
 
 
 def _as_one_of(value: Any, kinds: tuple[Any, ...]) -> Any:
-    """`value` as the first of `kinds` (bool, int, float, str) it is, or _WRONG."""
+    """`value` as the first of `kinds` (bool, int, float, str, dict with str keys) it is,
+    or _WRONG."""
     is_bool = isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's too
     for kind in kinds:
         if kind is bool:
@@ -224,40 +281,13 @@ def _as_one_of(value: Any, kinds: tuple[Any, ...]) -> Any:
             return float(value)
         elif kind is str and isinstance(value, str):
             return value
+        elif (
+            typing.get_origin(kind) is dict
+            and isinstance(value, dict)
+            and all(isinstance(key, str) for key in value)  # a JSON object's keys
+        ):
+            return dict(value)
     return _WRONG
-
-
-def load_hf_config(model: str) -> Any:
-    """transformers' config of a local model folder; raises UnsupportedModelError if absent."""
-    from transformers import AutoConfig
-
-    from pagedserve.models.registry import SUPPORTED_ARCHITECTURES
-
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        what = "does not exist" if not path.exists() else "has no config.json"
-        raise UnsupportedModelError(
-            f"model folder {model!r} {what}; pagedserve loads local Hugging Face folders "
-            f"(config.json + *.safetensors) of these architectures: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    return AutoConfig.from_pretrained(model, local_files_only=True)
-
-
-def read_eos_token_ids(model: str, hf_config: Any) -> tuple[int, ...]:
-    """EOS ids from generation_config.json and config.json (either may hold a list)."""
-    ids: list[int] = []
-    generation_config = os.path.join(model, "generation_config.json")
-    sources: list[Any] = []
-    if os.path.isfile(generation_config):
-        with open(generation_config) as f:
-            sources.append(json.load(f).get("eos_token_id"))
-    sources.append(getattr(hf_config, "eos_token_id", None))
-    for source in sources:
-        for token_id in source if isinstance(source, list) else [source]:
-            if isinstance(token_id, int) and token_id not in ids:
-                ids.append(token_id)
-    return tuple(ids)
 
 
 def engine_args_from_namespace(namespace: Any) -> EngineArgs:

@@ -8,10 +8,15 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from pagedserve.config import ModelConfig
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_client import EngineCoreClient, wait_readable
 from pagedserve.engine.input_processor import PromptType
-from pagedserve.engine.llm_engine import build_processors, register_request
+from pagedserve.engine.llm_engine import (
+    build_processors,
+    log_generation_defaults,
+    register_request,
+)
 from pagedserve.errors import EngineDeadError, InvalidRequestError, PagedServeError
 from pagedserve.messages import EngineCoreOutputs
 from pagedserve.metrics import EngineMetrics
@@ -74,14 +79,17 @@ class AsyncLLMEngine:
         self.log_requests = log_requests
         self.log_stats = log_stats
         self.log_stats_interval_s = log_stats_interval_s
-        self.metrics = metrics if metrics is not None else EngineMetrics(model_config.model)
+        self.metrics = metrics if metrics is not None else EngineMetrics(model_config.model_name)
         self.streams: dict[str, RequestStream] = {}
         self.dead_error: EngineDeadError | None = None
         self._tasks: list[asyncio.Task[None]] = []
         # Engine-core ids are "<request id>@<n>": unique, so that a request id can be reused
         # at once after an abort while the old request's outputs are still on their way.
         self._core_ids = itertools.count()
-        self.core = EngineCoreClient(engine_args)
+        log_generation_defaults(model_config)
+        # The core builds its config from the folders resolved here: a Hub id is looked up
+        # (and downloaded) once, in this process.
+        self.core = EngineCoreClient(engine_args.resolved(self.config))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> "AsyncLLMEngine":
@@ -90,6 +98,11 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.config.model_config.max_model_len
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's config (vLLM's `AsyncLLM.model_config`)."""
+        return self.config.model_config
 
     @property
     def errored(self) -> bool:

@@ -3,9 +3,10 @@
 import dataclasses
 from typing import Any
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from pagedserve.engine.model_files import log_diff_sampling_param, remote_code_error
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.errors import InvalidRequestError
 from pagedserve.kv_cache.manager import check_fits_cache
@@ -14,12 +15,18 @@ from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 
 
-def load_tokenizer(path: str) -> Any:
-    """The model's tokenizer (transformers' AutoTokenizer, local files only), with the BPE
-    word cache off where whole texts are its words (`drop_whole_text_word_cache`)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer (transformers' AutoTokenizer, local files only; the folder's own
+    tokenizer code runs only with `trust_remote_code`), with the BPE word cache off where
+    whole texts are its words (`drop_whole_text_word_cache`)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except ValueError as e:
+        raise remote_code_error(e, "tokenizer", path, "tokenizer_config.json") from None
     drop_whole_text_word_cache(tokenizer)
     return tokenizer
 
@@ -47,7 +54,9 @@ def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputP
     """The caller-side parts of an engine: the tokenizer (None with skip_tokenizer_init), the
     InputProcessor (tokenize, validate) and the OutputProcessor (detokenize, stop strings)."""
     model_config = config.model_config
-    tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+    tokenizer = None
+    if not model_config.skip_tokenizer_init:
+        tokenizer = load_tokenizer(model_config.tokenizer, model_config.trust_remote_code)
     vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0))
     if not vocab_size and tokenizer is not None:
         vocab_size = len(tokenizer)
@@ -59,6 +68,15 @@ def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputP
         model_config.max_logprobs,
     )
     return tokenizer, input_processor, OutputProcessor(tokenizer)
+
+
+def log_generation_defaults(model_config: ModelConfig) -> None:
+    """Say once, when an engine starts, which sampling defaults the model's generation
+    config sets (vLLM warns the same way)."""
+    source = model_config.generation_config
+    if source in ("auto", "vllm"):
+        source = f"{model_config.model_name or model_config.model}'s generation_config.json"
+    log_diff_sampling_param(model_config.diff_sampling_param, source)
 
 
 def child_requests(
@@ -162,6 +180,7 @@ class LLMEngine:
 
         self.config = config
         self.tokenizer, self.input_processor, self.output_processor = build_processors(config)
+        log_generation_defaults(config.model_config)
         self.engine_core = EngineCore(config)
 
     @classmethod

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="model folder (same as --model; default: the bundled stories260k)",
+        help="model folder or Hub id (same as --model; default: the bundled stories260k)",
     )
     add_server_args(serve)
     serve.set_defaults(func=_serve)

@@ -12,6 +12,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.beam_search import BeamSearchOutput, beam_search
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.model_files import default_sampling_params
 from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import Logprob, RequestOutput
@@ -49,6 +50,14 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams that `generate` and `chat` use when given none (vLLM's):
+        vLLM's neutral defaults, with those the model's generation_config.json sets
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens)
+        unless the engine runs with generation_config="vllm". A max_tokens from there is
+        lowered to what the context leaves after each prompt."""
+        return default_sampling_params(self.llm_engine.config.model_config.diff_sampling_param)
+
     def shutdown(self) -> None:
         """Stop the engine's workers (tensor-parallel processes or Ray actors); idempotent.
         `with LLM(...) as llm:` calls it on leaving the block."""
@@ -69,7 +78,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order.
 
         prompts: a string, {"prompt_token_ids": [...]}, or a list of either.
-        sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
+        sampling_params: one for all prompts, or one per prompt (default:
+            `get_default_sampling_params()`, the model's generation config's defaults).
         Raises ValueError on bad input before any request starts.
         """
         if isinstance(prompts, str | dict):
@@ -197,7 +207,7 @@ class LLM:
         self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num: int
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num
         if not isinstance(sampling_params, Iterable) or isinstance(

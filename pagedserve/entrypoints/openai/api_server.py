@@ -172,8 +172,12 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     if api_key:  # added last, so it runs first: no body is read for an unauthorized request
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    completions = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names, chat_template)
+    # The model's generation-config defaults for fields a request leaves out (vLLM's
+    # default_sampling_params); fakes in tests have no model config.
+    model_config = getattr(engine, "model_config", None)
+    defaults = model_config.get_diff_sampling_param() if model_config is not None else {}
+    completions = OpenAIServingCompletion(engine, served_model_names, defaults)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template, defaults)
     tokenizer = engine.get_tokenizer()
 
     @app.post(

@@ -18,7 +18,7 @@ from pagedserve.errors import (
     ServerShuttingDownError,
 )
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams, default_max_tokens
 
 from .protocol import (
     UNSUPPORTED_FIELDS,
@@ -158,28 +158,38 @@ def sampling_params(
     logprobs: int | None,
     best_of: int | None = None,
     prompt_logprobs: int | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """SamplingParams of a request (raises InvalidRequestError naming the bad field, and
-    OpenAIError 400 for a feature we do not implement or `stream_options` without `stream`)."""
+    OpenAIError 400 for a feature we do not implement or `stream_options` without `stream`).
+
+    `defaults`: the model's generation-config defaults (`ModelConfig.get_diff_sampling_param`)
+    of temperature, top_p, top_k, min_p and repetition_penalty, used where the request
+    leaves the field out (or null), as vLLM's `to_sampling_params(default_sampling_params)`;
+    vLLM's neutral values where neither sets it."""
     check_unsupported(request)
     check_stream_options(request)
+    defaults = defaults or {}
+
+    def pick(name: str, neutral: Any) -> Any:
+        value = getattr(request, name)
+        return defaults.get(name, neutral) if value is None else value
+
     return SamplingParams(
         n=request.n,
         best_of=best_of,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=1.0
-        if request.repetition_penalty is None
-        else request.repetition_penalty,
+        repetition_penalty=pick("repetition_penalty", 1.0),
         logit_bias=_logit_bias(request),
         bad_words=request.bad_words,
         allowed_token_ids=request.allowed_token_ids,
         truncate_prompt_tokens=request.truncate_prompt_tokens,
         prompt_logprobs=prompt_logprobs,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k is None else request.top_k,
-        min_p=0.0 if request.min_p is None else request.min_p,
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=pick("top_k", 0),
+        min_p=pick("min_p", 0.0),
         seed=request.seed,
         stop=request.stop,
         stop_token_ids=request.stop_token_ids,
@@ -192,6 +202,14 @@ def sampling_params(
         include_stop_str_in_output=request.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
     )
+
+
+def default_max_tokens_of(defaults: dict[str, Any]) -> int | None:
+    """max_tokens of a request that leaves it to the server: the generation config's
+    max_new_tokens, lowered to what the context leaves (as vLLM's get_max_tokens), else
+    None (all the context leaves)."""
+    value = defaults.get("max_tokens")
+    return None if value is None else default_max_tokens(value)
 
 
 def add_requests(

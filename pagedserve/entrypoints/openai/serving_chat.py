@@ -33,6 +33,7 @@ from .serving import (
     OpenAIError,
     add_requests,
     check_model,
+    default_max_tokens_of,
     final_outputs,
     guarded_stream,
     merge_streams,
@@ -78,9 +79,15 @@ def chat_prompt(
 
 class OpenAIServingChat:
     def __init__(
-        self, engine: Engine, served_model_names: list[str], chat_template: str | None
+        self,
+        engine: Engine,
+        served_model_names: list[str],
+        chat_template: str | None,
+        default_sampling_params: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
+        # The model's generation-config defaults (vLLM's default_sampling_params).
+        self.default_sampling_params = default_sampling_params or {}
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.chat_template = chat_template
@@ -100,13 +107,17 @@ class OpenAIServingChat:
             self.chat_template,
             None if request.truncate_prompt_tokens is not None else self.engine.max_model_len,
         )
+        defaults = self.default_sampling_params
         max_tokens = request.max_completion_tokens
         if max_tokens is None:  # not `or`: max_completion_tokens=0 is an error, not "unset"
             max_tokens = request.max_tokens
+        if max_tokens is None:  # the generation config's max_new_tokens, else the context
+            max_tokens = default_max_tokens_of(defaults)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = sampling_params(
-            request, max_tokens, logprobs, prompt_logprobs=request.prompt_logprobs
-        )
+            request, max_tokens, logprobs, prompt_logprobs=request.prompt_logprobs,
+            defaults=defaults,
+        )  # fmt: skip
         request_id = random_id("chatcmpl")
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         try:

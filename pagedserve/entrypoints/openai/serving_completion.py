@@ -32,6 +32,7 @@ from .serving import (
     OpenAIError,
     add_requests,
     check_model,
+    default_max_tokens_of,
     final_outputs,
     guarded_stream,
     merge_streams,
@@ -60,8 +61,15 @@ class _StreamState:
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: Engine, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        served_model_names: list[str],
+        default_sampling_params: dict[str, Any] | None = None,
+    ) -> None:
         self.engine = engine
+        # The model's generation-config defaults (vLLM's default_sampling_params).
+        self.default_sampling_params = default_sampling_params or {}
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.tokenizer = engine.get_tokenizer()
@@ -80,12 +88,18 @@ class OpenAIServingCompletion:
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get their logprobs too
         # Left out, max_tokens is the default (16) that the engine caps to what the context
-        # leaves; sent, even as 16, it must fit (vLLM's get_max_tokens and its check).
-        max_tokens = (
-            request.max_tokens if "max_tokens" in request.model_fields_set else DEFAULT_MAX_TOKENS
-        )
+        # leaves; sent, even as 16, it must fit (vLLM's get_max_tokens and its check). As in
+        # vLLM, whose CompletionRequest defaults max_tokens to 16, the generation config's
+        # max_new_tokens applies only to an explicit null.
+        defaults = self.default_sampling_params
+        if "max_tokens" not in request.model_fields_set:
+            max_tokens: int | None = DEFAULT_MAX_TOKENS
+        elif request.max_tokens is None:
+            max_tokens = default_max_tokens_of(defaults)
+        else:
+            max_tokens = request.max_tokens
         params = sampling_params(
-            request, max_tokens, request.logprobs, request.best_of, prompt_logprobs
+            request, max_tokens, request.logprobs, request.best_of, prompt_logprobs, defaults
         )
         request_id = random_id("cmpl")
         streams = add_requests(self.engine, request_id, prompts, params)
