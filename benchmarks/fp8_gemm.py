@@ -7,7 +7,8 @@ projection) and each token count M, times (CUDA events, median of `triton.testin
   bf16        F.linear(x, W) in bfloat16 (the unquantized layer)
   fp8_tensor  torch._scaled_mm, per-tensor x and W scales (tensor-wise)
   fp8_row     torch._scaled_mm, per-token x and per-channel W scales (row-wise)
-  quant       the dynamic per-tensor activation quantization of x (amax, scale, cast)
+  quant       the dynamic per-tensor activation quantization of x (the fused Triton kernels
+              `apply` uses; the JSON lines also give `quant_torch`, the PyTorch chain)
   layer       the whole `Fp8LinearMethod.apply` of online FP8 (quant + tensor-wise GEMM)
 and prints a short table (ms; speedup of `layer` over bf16), then one JSON line per row.
 The throughput target itself runs through benchmarks/throughput.py with --quantization fp8.
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import git_commit  # noqa: E402
 from benchmarks.gemm_rates import layer_shapes  # noqa: E402
 from benchmarks.presets import PRESETS  # noqa: E402
+from pagedserve.layers.kernels.fp8_quant import quantize_fp8_dynamic  # noqa: E402
 from pagedserve.layers.quantization.fp8 import (  # noqa: E402
     Fp8LinearMethod,
     fp8_dynamic_scale,
@@ -71,7 +73,8 @@ def layer_rows(name: str, n: int, k: int, tokens: list[int]) -> list[dict[str, A
                 a, w_q.t(), scale_a=s, scale_b=w_row, out_dtype=dtype
             )
         )
-        row["quant"] = time_ms(lambda x=x: quantize_fp8(x, fp8_dynamic_scale(x, False)))
+        row["quant"] = time_ms(lambda x=x: quantize_fp8_dynamic(x, False))
+        row["quant_torch"] = time_ms(lambda x=x: quantize_fp8(x, fp8_dynamic_scale(x, False)))
         row["layer"] = time_ms(lambda x=x: method.apply(layer, x))
         row = {key: round(v, 4) if isinstance(v, float) else v for key, v in row.items()}
         row["speedup"] = round(row["bf16"] / row["layer"], 2)

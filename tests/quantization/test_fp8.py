@@ -311,8 +311,12 @@ def test_scaled_mm_matches_the_reference(
 
 @pytest.mark.gpu
 def test_fp8_model_on_gpu_matches_cpu(float_model: Path, tmp_path: Path) -> None:
-    """A tiny FP8 checkpoint (static per-tensor scales: no batch dependence) gives the same
-    greedy tokens on the GPU (`_scaled_mm`) as on the CPU reference path."""
+    """A tiny FP8 checkpoint (static per-tensor scales: no batch dependence) scores the CPU
+    reference path's greedy tokens on the GPU (`_scaled_mm`) within 0.1 nats of the CPU's
+    own log-probs at every position. (Token-for-token equality is not a fair check: the two
+    matmuls accumulate in different orders, and an activation on an FP8 rounding boundary then
+    rounds to a neighbouring value, a 6% step; on the H200 one 10-token output flipped a
+    near-tie that way.)"""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 matmul on this GPU")
     amax = calibrate(float_model, PROMPTS)
@@ -323,4 +327,24 @@ def test_fp8_model_on_gpu_matches_cpu(float_model: Path, tmp_path: Path) -> None
     methods = [m.quant_method for m in model.modules() if hasattr(m, "quant_method")]
     assert {m.backend for m in methods if isinstance(m, Fp8LinearMethod)} == {"scaled_mm"}
     del model
-    assert llm_greedy(fp8, device="cuda") == llm_greedy(fp8)
+    sequences = [p + t for p, t in zip(PROMPTS, llm_greedy(fp8), strict=True)]
+    cpu, gpu = token_logprobs(fp8, sequences), token_logprobs(fp8, sequences, device="cuda")
+    for cpu_seq, gpu_seq in zip(cpu, gpu, strict=True):
+        assert max(abs(a - b) for a, b in zip(cpu_seq, gpu_seq, strict=True)) < 0.1
+
+
+def token_logprobs(
+    path: Path, sequences: list[list[int]], device: str = "cpu"
+) -> list[list[float]]:
+    """The log-prob of each token of each sequence after the first, teacher-forced
+    (prompt_logprobs), one sequence at a time."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    with LLM(
+        str(path), dtype="float32", device=device, skip_tokenizer_init=True, block_size=4,
+        num_gpu_blocks_override=32, max_model_len=64, max_num_seqs=1,
+    ) as llm:  # fmt: skip
+        outputs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    return [
+        [entry[token].logprob for entry, token in zip(o.prompt_logprobs[1:], s[1:], strict=True)]
+        for o, s in zip(outputs, sequences, strict=True)
+    ]

@@ -129,16 +129,20 @@ def _block_group_params(
 ):  # fmt: skip
     """Scales and offsets of a K block without g_idx: row i*PACK + j is in group
     (i*PACK) // group_size for every j (group_size is a multiple of PACK)."""
+    # One return statement: Triton < 3.9 checks every return of a function for one type,
+    # even one in a constexpr branch not taken.
     if ONE_GROUP_PER_BLOCK:
-        return _group_params(
+        scales, offset = _group_params(
             scales_ptr, zeros_ptr, k_start // group_size, offs_n, mask_n,
             stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, True,
         )  # fmt: skip
-    return _group_params(
-        scales_ptr, zeros_ptr, (offs_kp * PACK) // group_size, offs_n,
-        mask_kp[:, None] & mask_n[None, :],
-        stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, False,
-    )  # fmt: skip
+    else:
+        scales, offset = _group_params(
+            scales_ptr, zeros_ptr, (offs_kp * PACK) // group_size, offs_n,
+            mask_kp[:, None] & mask_n[None, :],
+            stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, False,
+        )  # fmt: skip
+    return scales, offset
 
 
 # M and split_k vary with the batch: not specialized, so a new batch size compiles nothing.
