@@ -26,6 +26,9 @@ FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # as fp8.MIN_SCALE (vLLM's MIN_SCALING_FACTOR)
 MAX_PARTIALS = 256  # programs of the amax pass (each takes every MAX_PARTIALS-th row)
 BLOCK_K = 1024
+# The same numbers as Triton constants (a kernel reads only constexpr globals).
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -57,7 +60,7 @@ def _quantize_kernel(
     elif MODE == 1:
         offs = tl.arange(0, NUM_PARTIALS)
         amax = tl.max(tl.load(partial_ptr + offs), axis=0)
-        scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE)
+        scale = tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
         if row == 0:
             tl.store(scale_ptr, scale)
     else:
@@ -66,12 +69,12 @@ def _quantize_kernel(
             mask = start + cols < K
             x = tl.load(x_row + start + cols, mask=mask, other=0.0)
             amax_block = tl.maximum(amax_block, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.div_rn(tl.max(amax_block, axis=0), FP8_MAX), MIN_SCALE)
+        scale = tl.maximum(tl.div_rn(tl.max(amax_block, axis=0), _FP8_MAX), _MIN_SCALE)
         tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK):
         mask = start + cols < K
         x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, _FP8_MAX)
         tl.store(out_ptr + row * stride_om + start + cols, q.to(tl.float8e4nv), mask=mask)
 
 
