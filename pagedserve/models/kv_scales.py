@@ -39,11 +39,10 @@ def load_kv_scale(model: nn.Module, checkpoint_name: str, tensor: torch.Tensor) 
     per-tensor scales for the fp8 KV cache), a scale that is not finite and positive, or
     one whose layer has no attention module.
     """
-    for suffix, buffers in _SUFFIXES.items():
-        if checkpoint_name.endswith(suffix):
-            break
-    else:
+    suffix = next((s for s in _SUFFIXES if checkpoint_name.endswith(s)), None)
+    if suffix is None:
         return False
+    buffers = _SUFFIXES[suffix]
     if buffers is None:
         return True
     if tensor.shape.numel() != 1:

@@ -101,7 +101,9 @@ def _random_batch(
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
+    seq_lens = torch.tensor(
+        [c + q for c, q in zip(context_lens, query_lens, strict=True)], dtype=torch.int32
+    )
     return AttentionMetadata(
         query_start_loc=starts,
         seq_lens=seq_lens,
@@ -132,12 +134,16 @@ def test_torch_attention_over_fp8_cache(dtype: torch.dtype) -> None:
     prefix = torch.randn(2, num_blocks, 4, 2, 16, generator=gen)
     cache32[0], cache32[1] = prefix[0] * 0.2, prefix[1] * 5
     cache8 = torch.empty_like(cache32, dtype=dtype)
-    cache8[0], cache8[1] = quantize_kv(cache32[0], k_scale, dtype), quantize_kv(cache32[1], v_scale, dtype)
+    cache8[0], cache8[1] = (
+        quantize_kv(cache32[0], k_scale, dtype),
+        quantize_kv(cache32[1], v_scale, dtype),
+    )
     scale = 1 / math.sqrt(16)
     backend = TorchAttentionBackend()
 
     out8 = backend.forward(query, key, value, cache8, md, scale, k_scale, v_scale)
     out32 = backend.forward(query, key, value, cache32, md, scale)
+
     def round_trip(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         return dequantize_kv(quantize_kv(x, x_scale, dtype), x_scale, torch.float32)
 
