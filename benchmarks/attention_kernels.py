@@ -1,7 +1,7 @@
 """Times the Triton attention kernels on a GPU: decode (achieved HBM bandwidth) and prefill.
 
     PYTHONPATH=. python3 benchmarks/attention_kernels.py [--model llama3-8b] [--sweep decode]
-        [--quick]
+        [--quick] [--kv-cache-dtype fp8]
 
 Each kernel is captured in a CUDA graph and replayed (triton.testing.do_bench_cudagraph,
 median), so the numbers are GPU time without Python launch overhead. Decode bandwidth counts
@@ -10,6 +10,8 @@ time, against a device-to-device copy measured in the same run. Prints a table a
 line per row; `--sweep decode,splits,prefill,batched` also times alternative tile configurations and
 split counts (the data behind the defaults in triton_backend.py); `batched` on the shapes of
 a batched-throughput step (256 decodes at ~600 keys; 16 prompts of 512 tokens).
+`--kv-cache-dtype fp8` (or fp8_e5m2) runs the same rows over an fp8 cache with per-tensor
+scales (queries stay bf16; bandwidth counts the fp8 bytes), to compare with the bf16 cache.
 """
 
 import argparse
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.common import git_commit
+from pagedserve.attention.kv_quant import FP8_KV_CACHE_DTYPES
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.triton_backend import (
     AttentionPlan,
@@ -40,6 +43,7 @@ MODELS = {  # (num_heads, num_kv_heads, head_dim) of one attention layer
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = MODELS["llama3-8b"]  # set by --model
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
+KV_DTYPE = DTYPE  # the cache's: set by --kv-cache-dtype
 DEVICE = "cuda"
 
 
@@ -57,8 +61,12 @@ class Cache:
     def __init__(self, num_tokens: int) -> None:
         num_blocks = num_tokens // BLOCK_SIZE + 64
         shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        self.kv_cache = torch.randn(shape, dtype=DTYPE, device=DEVICE)
+        self.kv_cache = torch.randn(shape, dtype=DTYPE, device=DEVICE).to(KV_DTYPE)
         self.num_blocks = num_blocks
+        # An fp8 cache is read with its per-tensor scales (device tensors, as in serving).
+        fp8 = KV_DTYPE != DTYPE
+        self.k_scale = torch.full((1,), 0.5, device=DEVICE) if fp8 else None
+        self.v_scale = torch.full((1,), 0.25, device=DEVICE) if fp8 else None
 
     def metadata(self, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         blocks_per_req = [-(-s // BLOCK_SIZE) for s in seq_lens]
@@ -100,7 +108,9 @@ def time_attention(
 
     def run() -> None:
         for out, query, md, plan in calls:
-            paged_attention(out, query, cache.kv_cache, md, scale, plan)
+            paged_attention(
+                out, query, cache.kv_cache, md, scale, plan, cache.k_scale, cache.v_scale
+            )
 
     run()
     torch.cuda.synchronize()
@@ -122,7 +132,7 @@ def _only(md: AttentionMetadata, launch: str) -> AttentionPlan:
 
 
 def kv_bytes(seq_lens: list[int]) -> int:
-    return sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+    return sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 * KV_DTYPE.itemsize
 
 
 def causal_flops(query_lens: list[int], seq_lens: list[int]) -> float:
@@ -180,7 +190,9 @@ def bench_prefill(cache: Cache, rows: list[dict[str, Any]], quick: bool) -> None
     md = cache.metadata([4096], [4096])
     key = torch.randn(4096, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     ms = triton.testing.do_bench_cudagraph(
-        lambda: store_kv(key, key, cache.kv_cache, md.slot_mapping), rep=50, return_mode="median"
+        lambda: store_kv(key, key, cache.kv_cache, md.slot_mapping, cache.k_scale, cache.v_scale),
+        rep=50,
+        return_mode="median",
     )
     rows.append(dict(kind="store_kv", batch=1, context=4096, ms=round(ms, 4)))
 
@@ -306,14 +318,20 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="a few rows only")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=["auto", *FP8_KV_CACHE_DTYPES], default="auto",
+        help="auto: the cache in bf16, as the queries; fp8/fp8_e4m3/fp8_e5m2: an fp8 cache",
+    )  # fmt: skip
     args = parser.parse_args()
-    global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_DTYPE
     NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = MODELS[args.model]
+    KV_DTYPE = FP8_KV_CACHE_DTYPES.get(args.kv_cache_dtype, DTYPE)
 
     torch.manual_seed(0)
     header = dict(
         gpu=torch.cuda.get_device_name(), commit=git_commit(), model=args.model,
-        torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE), num_heads=NUM_HEADS,
+        torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE),
+        kv_cache_dtype=str(KV_DTYPE), num_heads=NUM_HEADS,
         num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
     )  # fmt: skip
     copy_bw = copy_bandwidth()

@@ -65,6 +65,7 @@ def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict
         "kv_cache_memory_bytes",
         "attention_backend",
         "quantization",
+        "kv_cache_dtype",
     ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
@@ -197,6 +198,7 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--kv-cache-memory-bytes", type=int)
     parser.add_argument("--attention-backend")
+    parser.add_argument("--kv-cache-dtype", help="auto (default), fp8, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     add_quantization_args(parser)
     parser.add_argument(
@@ -260,6 +262,7 @@ def main() -> None:
                 "device": args.device,
                 "dtype": args.dtype,
                 "quantization": quantization_config(args) or args.quantization,
+                "kv_cache_dtype": args.kv_cache_dtype or "auto",
                 "results": {
                     k: {**v, "output_tok_s": v["output_tokens"] / v["seconds"]}
                     for k, v in results.items()

@@ -22,6 +22,8 @@ DEFAULT_MODEL = str(files("pagedserve.assets") / "stories260k")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# vLLM's `--kv-cache-dtype` values that we support: "fp8" and "fp8_e4m3" are e4m3 (float8_e4m3fn).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's; also InputProcessor's default
 
 
@@ -224,6 +226,13 @@ class CacheConfig:
         True,
         help="reuse KV blocks of shared prompt prefixes (full blocks whose chained hash matches)",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        help="dtype of the KV cache: auto (the model's dtype), or fp8 / fp8_e4m3 (float8 e4m3) "
+        "or fp8_e5m2, which store K / k_scale and V / v_scale per layer (scales from the "
+        "checkpoint, else 1.0) in half the memory of 16-bit",
+        cli={"choices": KV_CACHE_DTYPES},
+    )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -235,6 +244,10 @@ class CacheConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
             raise ValueError(

@@ -13,6 +13,10 @@ class AttentionBackend(Protocol):
     KV cache layout of one layer (shared by every backend):
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
     index 0 holds keys, 1 values; slot s lives at block s // block_size, offset s % block_size.
+    The cache is in the model's dtype, or in fp8 (`--kv-cache-dtype fp8`): then it holds
+    K / k_scale and V / v_scale, clamped to the format's range (`attention.kv_quant`), and
+    the backend scales them back when it reads them. k_scale and v_scale are device tensors
+    (read inside the kernels, so a CUDA graph sees their current values); None means 1.0.
     """
 
     name: str
@@ -25,6 +29,8 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
+        v_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from pagedserve.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -11,15 +12,27 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
 ) -> None:
-    """Store each new token's K and V at its slot (`block_id * block_size + offset`)."""
+    """Store each new token's K and V at its slot (`block_id * block_size + offset`).
+
+    An fp8 cache gets `quantize_kv(key, k_scale)` and `quantize_kv(value, v_scale)` (scaled,
+    clamped to the format's range); any other cache the values cast to its dtype.
+    """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    key_cache.index_copy_(0, slots, key[valid].to(kv_cache.dtype))
-    value_cache.index_copy_(0, slots, value[valid].to(kv_cache.dtype))
+    key, value = key[valid], value[valid]
+    if is_fp8(kv_cache.dtype):
+        # index_copy_ has no fp8 kernel on the CPU: copy the bytes.
+        key = quantize_kv(key, k_scale, kv_cache.dtype).view(torch.uint8)
+        value = quantize_kv(value, v_scale, kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    key_cache.index_copy_(0, slots, key.to(kv_cache.dtype))
+    value_cache.index_copy_(0, slots, value.to(kv_cache.dtype))
 
 
 def gather_kv(
@@ -27,7 +40,8 @@ def gather_kv(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     max_seq_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_reqs, max_seq_len, num_kv_heads, head_dim]
-    """Read each request's K/V through its block table, padded to `max_seq_len` positions."""
+    """Read each request's K/V through its block table, padded to `max_seq_len` positions
+    (in the cache's dtype: fp8 values are still scaled, see `dequantize_kv`)."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     positions = torch.arange(max_seq_len, device=kv_cache.device)
     num_blocks_needed = (max_seq_len + block_size - 1) // block_size
@@ -44,7 +58,8 @@ class TorchAttentionBackend:
     All requests of the step go through one padded SDPA call: queries are padded to
     `max_query_len` and keys to `max_seq_len`, and a mask keeps each query token to the keys
     at positions <= its own, inside its own request. It is the ground truth for the Triton
-    kernels; it favours clarity over speed.
+    kernels; it favours clarity over speed. An fp8 cache is dequantized (`k_fp8 * k_scale`,
+    `v_fp8 * v_scale`) to the query's dtype before the attention.
     """
 
     name = "torch"
@@ -57,9 +72,11 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
+        v_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         md = attn_metadata
-        write_kv_cache(key, value, kv_cache, md.slot_mapping)
+        write_kv_cache(key, value, kv_cache, md.slot_mapping, k_scale, v_scale)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = key.shape[1]
         device = query.device
@@ -74,6 +91,9 @@ class TorchAttentionBackend:
         padded_query = query.new_zeros(md.num_reqs, md.max_query_len, num_heads, head_dim)
         padded_query[req_indices, token_cols] = query
         keys, values = gather_kv(kv_cache, md.block_tables, md.max_seq_len)
+        if is_fp8(kv_cache.dtype):
+            keys = dequantize_kv(keys, k_scale, query.dtype)
+            values = dequantize_kv(values, v_scale, query.dtype)
 
         # Query i of request r sits at position seq_len - query_len + i; it sees keys <= that.
         cols = torch.arange(md.max_query_len, device=device)

@@ -15,6 +15,7 @@ from pagedserve.attention.kernels.paged_attention import (
     paged_attention_kernel,
 )
 from pagedserve.attention.kernels.store_kv import store_kv_kernel
+from pagedserve.attention.kv_quant import fp8_max, is_fp8
 from pagedserve.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -143,21 +144,28 @@ def store_kv(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
 ) -> None:
-    """Write each new token's K and V at its slot (the Triton twin of `write_kv_cache`)."""
+    """Write each new token's K and V at its slot (the Triton twin of `write_kv_cache`,
+    quantizing for an fp8 cache as `kv_quant.quantize_kv` does, to the same bytes)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    quantized = is_fp8(kv_cache.dtype)
+    scaled = quantized and k_scale is not None and v_scale is not None
     head_dim_pad = _next_pow2(head_dim)
     block_h = min(_next_pow2(num_kv_heads), max(4096 // head_dim_pad, 1))
     grid = (num_tokens, -(-num_kv_heads // block_h))
     store_kv_kernel[grid](
         key, value, kv_cache, slot_mapping,
+        k_scale if scaled else slot_mapping, v_scale if scaled else slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=block_h,
+        FP8_MAX=fp8_max(kv_cache.dtype) if quantized else 0.0, KV_SCALED=scaled,
     )  # fmt: skip
 
 
@@ -168,9 +176,12 @@ def paged_attention(
     attn_metadata: AttentionMetadata,
     scale: float,
     plan: AttentionPlan,
+    k_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
+    v_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
 ) -> None:
     """Attend every new token over its request's cached K/V (already holding this step's).
-    Tokens past query_start_loc[-1] (a padded batch's padding) are left unwritten."""
+    Tokens past query_start_loc[-1] (a padded batch's padding) are left unwritten. An fp8
+    cache is read as k_fp8 * k_scale and v_fp8 * v_scale (the scales applied in the kernel)."""
     md = attn_metadata
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -179,8 +190,11 @@ def paged_attention(
     assert query.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
     head_dim_pad = _head_dim_pad(head_dim)
+    scaled = is_fp8(kv_cache.dtype) and k_scale is not None and v_scale is not None
     common: dict[str, object] = dict(
         query_ptr=query, kv_cache_ptr=kv_cache, block_tables_ptr=md.block_tables,
+        k_scale_ptr=k_scale if scaled else md.seq_lens,
+        v_scale_ptr=v_scale if scaled else md.seq_lens, KV_SCALED=scaled,
         seq_lens_ptr=md.seq_lens, query_start_loc_ptr=md.query_start_loc, num_reqs=md.num_reqs,
         qk_scale=scale * _LOG2E,
         stride_q_token=query.stride(0), stride_q_head=query.stride(1),
@@ -251,11 +265,13 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         attn_metadata: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
+        v_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        store_kv(key, value, kv_cache, attn_metadata.slot_mapping)
+        store_kv(key, value, kv_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         plan = self._plan(query, key, attn_metadata)
-        paged_attention(out, query, kv_cache, attn_metadata, scale, plan)
+        paged_attention(out, query, kv_cache, attn_metadata, scale, plan, k_scale, v_scale)
         return out
 
     def _plan(

@@ -12,6 +12,11 @@ class Attention(nn.Module):
 
     The model runner binds `kv_cache` (this layer's [2, num_blocks, block_size,
     num_kv_heads, head_dim] view) and `backend` before the first forward.
+
+    `k_scale` and `v_scale` ([1] float32 buffers, 1.0 by default) are the per-tensor scales of
+    an fp8 KV cache (vLLM's names): the model's `load_weights` fills them from a checkpoint's
+    `self_attn.k_scale` / `v_scale` (or `k_proj.output_scale` / `v_proj.output_scale`)
+    tensors (`pagedserve.models.kv_scales`); a cache in the model's dtype ignores them.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
@@ -26,6 +31,10 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        self.k_scale: torch.Tensor
+        self.v_scale: torch.Tensor
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32))
 
     def forward(
         self,
@@ -43,5 +52,7 @@ class Attention(nn.Module):
             self.kv_cache,
             attn_metadata,
             self.scale,
+            self.k_scale,
+            self.v_scale,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

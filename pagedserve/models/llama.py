@@ -19,6 +19,7 @@ from pagedserve.layers.linear import (
 )
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, get_rope
+from pagedserve.models.kv_scales import load_kv_scale
 from pagedserve.quant_config import QuantizationConfig
 
 
@@ -202,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama 2/3 (GQA, RoPE scaling, tied or untied embeddings) for paged inference.
 
     Checkpoint names map onto fused modules: q/k/v_proj -> qkv_proj, gate/up_proj ->
-    gate_up_proj (`stacked_params_mapping`); everything else keeps its HF name.
+    gate_up_proj (`stacked_params_mapping`); KV cache scales go to the attention layers'
+    buffers (`kv_scales.load_kv_scale`); everything else keeps its HF name.
     """
 
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
@@ -247,6 +249,8 @@ class LlamaForCausalLM(nn.Module):
         for checkpoint_name, tensor in weights:
             if "rotary_emb.inv_freq" in checkpoint_name:
                 continue  # a buffer some old checkpoints saved; we recompute it
+            if load_kv_scale(self, checkpoint_name, tensor):
+                continue  # the fp8 KV cache's k_scale / v_scale: buffers, not parameters
             name = checkpoint_name
             if self.tie_word_embeddings and name == "lm_head.weight":
                 name = "model.embed_tokens.weight"  # the same tensor when tied

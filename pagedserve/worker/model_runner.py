@@ -39,6 +39,7 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache_config.block_size
         self.model_dtype = torch.float32
+        self.kv_cache_dtype = torch.float32  # the model's, or fp8 (`--kv-cache-dtype`)
         self.model: torch.nn.Module | None = None
         self.attention_layers: list[Attention] = []
         self.kv_caches: list[torch.Tensor] = []

@@ -4,14 +4,15 @@ profiling on a GPU) and allocation, CUDA graph capture and warm-up.
 The Worker calls these once, in this order: `load_model(runner)`; `determine_num_blocks(runner)`
 (the executor takes the minimum over the ranks); then `initialize_kv_cache(runner, num_blocks)`.
 `kv_block_bytes(runner)` may be asked any time after loading. From then on the runner only
-runs steps. The functions fill in the runner's `model`, `model_dtype`, `attention_layers`,
-`kv_caches` and `cuda_graphs`.
+runs steps. The functions fill in the runner's `model`, `model_dtype`, `kv_cache_dtype`,
+`attention_layers`, `kv_caches` and `cuda_graphs`.
 """
 
 import logging
 
 import torch
 
+from pagedserve.attention.kv_quant import kv_cache_torch_dtype
 from pagedserve.layers.attention import Attention
 from pagedserve.models.loader import load_model as load_checkpoint
 from pagedserve.step import SchedulerOutput
@@ -59,9 +60,14 @@ def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.d
 
 def load_model(runner: ModelRunner) -> None:
     """Load the checkpoint (this rank's shard) in the resolved dtype onto the runner's device,
-    seeded with `ModelConfig.seed`, and give every attention layer the runner's backend."""
+    seeded with `ModelConfig.seed`, and give every attention layer the runner's backend.
+    Resolves the KV cache dtype too (ValueError where the device cannot run it)."""
     model_config = runner.config.model_config
     runner.model_dtype = resolve_dtype(model_config.dtype, model_config.hf_config, runner.device)
+    runner.kv_cache_dtype = kv_cache_torch_dtype(
+        runner.config.cache_config.kv_cache_dtype, runner.model_dtype
+    )
+    _check_kv_cache_dtype(runner)
     torch.manual_seed(model_config.seed)
     runner.model = load_checkpoint(
         model_config.model,
@@ -76,9 +82,27 @@ def load_model(runner: ModelRunner) -> None:
         layer.backend = runner.backend
 
 
+def _check_kv_cache_dtype(runner: ModelRunner) -> None:
+    """The Triton kernels convert e4m3 in hardware only from compute capability 8.9 (Ada,
+    Hopper) on; raise ValueError naming the way out on older GPUs."""
+    if runner.kv_cache_dtype != torch.float8_e4m3fn or runner.device.type != "cuda":
+        return
+    if runner.backend.name == "triton" and torch.cuda.get_device_capability(runner.device) < (
+        8,
+        9,
+    ):
+        raise ValueError(
+            f"kv_cache_dtype {runner.config.cache_config.kv_cache_dtype!r} (float8 e4m3) needs "
+            f"a GPU of compute capability 8.9 or newer for the Triton attention kernels, got "
+            f"{torch.cuda.get_device_name(runner.device)}; use kv_cache_dtype 'fp8_e5m2', "
+            f"attention_backend 'torch', or 'auto'"
+        )
+
+
 def kv_block_bytes(runner: ModelRunner) -> int:
-    """Bytes of one KV block over all layers."""
-    element_size = torch.tensor([], dtype=runner.model_dtype).element_size()
+    """Bytes of one KV block over all layers, in the KV cache's dtype (an fp8 block takes
+    half the bytes of a 16-bit one, so a memory budget holds twice the blocks)."""
+    element_size = torch.tensor([], dtype=runner.kv_cache_dtype).element_size()
     return sum(
         2 * runner.block_size * layer.num_kv_heads * layer.head_dim * element_size
         for layer in runner.attention_layers
@@ -205,7 +229,7 @@ def _allocate_kv_tensors(runner: ModelRunner, num_blocks: int) -> None:
             runner.block_size,
             layer.num_kv_heads,
             layer.head_dim,
-            dtype=runner.model_dtype,
+            dtype=runner.kv_cache_dtype,
             device=runner.device,
         )
         layer.kv_cache = cache

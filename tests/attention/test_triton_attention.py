@@ -2,11 +2,14 @@
 
 GPU tests draw fresh random inputs per case, poison the output (NaN) and the unused cache
 slots, and compare with `TorchAttentionBackend` run in float64. The planner tests need Triton
-but no GPU.
+but no GPU. The fp8 KV cache tests also run on the CPU under Triton's interpreter
+(`TRITON_INTERPRET=1 pytest tests/attention/test_triton_attention.py -k fp8`; small shapes,
+no bf16 dots there), and on the GPU as `gpu` tests.
 """
 
 import itertools
 import math
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -15,6 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from pagedserve.attention.kv_quant import quantize_kv  # noqa: E402
 from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedserve.attention.torch_backend import TorchAttentionBackend, write_kv_cache  # noqa: E402
 from pagedserve.attention.triton_backend import (  # noqa: E402
@@ -26,6 +30,10 @@ from pagedserve.attention.triton_backend import (  # noqa: E402
 )
 
 DEVICE = "cuda"  # tools/scripts may point this at "cpu" under TRITON_INTERPRET=1
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# fp8 KV cache tests: on the GPU, or on the CPU through the interpreter when it is on.
+FP8_DEVICE = "cpu" if INTERPRET else DEVICE
+gpu_or_interpreter = pytest.mark.skipif(False, reason="") if INTERPRET else pytest.mark.gpu
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 # A ragged batch: decodes over short and long contexts, full prefills, and prefill chunks
@@ -378,3 +386,167 @@ def test_plan_routes_requests_by_query_len() -> None:
     assert prefill_only.decode is None and prefill_only.prefill is not None
     forced = plan_attention(_metadata_with([1], [9000]), 8, 8, 64, torch.float16, cpu, 1)
     assert forced.num_splits == 1
+
+
+# --- FP8 KV cache ---------------------------------------------------------------------------
+
+FP8_FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
+_FP8_NAN = 0x7F  # a NaN byte in both formats
+
+
+def make_fp8_batch(
+    query_lens: list[int],
+    context_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    seed: int,
+) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    """`make_batch` with K ~ 3 N(0, 1) and V ~ 0.5 N(0, 1) (new and cached), the cache
+    quantized to `cache_dtype` with scales that put them in the format's range; returns the
+    batch, k_scale and v_scale."""
+    batch = make_batch(query_lens, context_lens, 16, num_heads, num_kv_heads, head_dim, dtype,
+                       seed, FP8_DEVICE)  # fmt: skip
+    k_scale = torch.tensor([3 * 6 / 448], device=FP8_DEVICE)
+    v_scale = torch.tensor([0.5 * 6 / 448], device=FP8_DEVICE)
+    cache = torch.empty_like(batch.kv_cache, dtype=cache_dtype)
+    cache[0] = quantize_kv(batch.kv_cache[0] * 3, k_scale, cache_dtype)
+    cache[1] = quantize_kv(batch.kv_cache[1] * 0.5, v_scale, cache_dtype)
+    batch.key, batch.value, batch.kv_cache = batch.key * 3, batch.value * 0.5, cache
+    return batch, k_scale, v_scale
+
+
+def poisoned_fp8_cache(batch: Batch) -> torch.Tensor:
+    """The fp8 cache with NaN in every slot no request owns."""
+    cache = batch.kv_cache.clone()
+    num_kv_heads, head_dim = cache.shape[-2:]
+    cache.view(torch.uint8).view(2, -1, num_kv_heads, head_dim)[:, ~batch.used_slots] = _FP8_NAN
+    return cache
+
+
+def check_fp8_against_reference(
+    batch: Batch, k_scale: torch.Tensor, v_scale: torch.Tensor, num_splits: int | None = None
+) -> None:
+    """Triton over the fp8 cache vs the torch backend over the same cache in float64: the
+    same fp8 bytes written, and the outputs within the query dtype's tolerance."""
+    scale = 1.0 / math.sqrt(batch.query.shape[-1])
+    written = batch.kv_cache.clone()
+    expected = TorchAttentionBackend().forward(
+        batch.query.double(), batch.key.double(), batch.value.double(), written,
+        batch.metadata, scale, k_scale, v_scale,
+    )  # fmt: skip
+    cache = poisoned_fp8_cache(batch)
+    out = torch.full_like(batch.query, float("nan")).contiguous()
+    num_heads, head_dim = batch.query.shape[1:]
+    plan = plan_attention(batch.metadata, num_heads, batch.key.shape[1], head_dim,
+                          batch.query.dtype, cache.device, num_splits)  # fmt: skip
+    # The interpreter's float32 -> fp8 cast mis-rounds (no carry into the exponent): there
+    # the torch write stands in, and store_kv's bytes are checked on the GPU only.
+    write = write_kv_cache if INTERPRET else store_kv
+    write(batch.key, batch.value, cache, batch.metadata.slot_mapping, k_scale, v_scale)
+    paged_attention(out, batch.query, cache, batch.metadata, scale, plan, k_scale, v_scale)
+    assert not out.isnan().any(), "some outputs were never written"
+    error = ((out.double() - expected).norm() / expected.norm()).item()
+    assert error < TOLERANCE[batch.query.dtype], error
+    num_kv_heads = cache.shape[-2]
+    used = batch.used_slots
+    assert torch.equal(
+        cache.view(torch.uint8).view(2, -1, num_kv_heads, head_dim)[:, used],
+        written.view(torch.uint8).view(2, -1, num_kv_heads, head_dim)[:, used],
+    )
+
+
+def _fp8_cases() -> list[object]:
+    """(num_splits, num_heads, num_kv_heads, head_dim, query dtype, cache dtype); bf16 only
+    on the GPU (the interpreter's bf16 dot is wrong)."""
+    cases: list[object] = [
+        (None, 8, 2, 64, torch.float16, torch.float8_e4m3fn),
+        (None, 8, 8, 16, torch.float32, torch.float8_e5m2),
+        (3, 8, 1, 80, torch.float16, torch.float8_e4m3fn),  # MQA, padded head dim, split-KV
+        pytest.param(None, 32, 8, 128, torch.bfloat16, torch.float8_e4m3fn, marks=pytest.mark.gpu),
+        pytest.param(4, 16, 8, 128, torch.bfloat16, torch.float8_e5m2, marks=pytest.mark.gpu),
+    ]
+    return cases
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("num_splits,num_heads,num_kv_heads,head_dim,dtype,cache_dtype",
+                         _fp8_cases())  # fmt: skip
+def test_fp8_cache_paged_attention_matches_reference(
+    num_splits: int | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+) -> None:
+    """A ragged batch (decodes over long contexts, a full prefill, chunks after a cached
+    prefix: prefix-cache hits and chunked prefill read the fp8 cache the same way)."""
+    seed = zlib.crc32(repr((num_splits, num_heads, head_dim, dtype, cache_dtype)).encode())
+    query_lens, context_lens = [1, 1, 37, 5, 1, 20], [0, 300, 0, 33, 129, 70]
+    batch, k_scale, v_scale = make_fp8_batch(query_lens, context_lens, num_heads, num_kv_heads,
+                                             head_dim, dtype, cache_dtype, seed)  # fmt: skip
+    check_fp8_against_reference(batch, k_scale, v_scale, num_splits)
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("cache_dtype", FP8_FORMATS)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+)
+def test_fp8_store_kv_matches_write_kv_cache(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Same bytes as the torch write, out-of-range values saturated, -1 slots skipped. The
+    interpreter's float32 -> fp8 cast mis-rounds (no carry into the exponent), so there K/V
+    are taken on the fp8 grid times power-of-two scales, where no rounding happens."""
+    batch, k_scale, v_scale = make_fp8_batch([3, 1, 9], [0, 40, 7], 8, 4, 80, dtype,
+                                             cache_dtype, 5)  # fmt: skip
+    if INTERPRET:
+        k_scale.fill_(0.25), v_scale.fill_(2.0**-6)
+        for x, x_scale in ((batch.key, k_scale), (batch.value, v_scale)):
+            x.copy_(quantize_kv(x, x_scale, cache_dtype).to(dtype) * x_scale.to(dtype))
+    key = batch.key.clone()
+    key[::4] *= 2.0**40  # far out of range: must clamp to +-max, not overflow
+    slot_mapping = batch.metadata.slot_mapping.clone()
+    slot_mapping[1::5] = -1
+    expected = batch.kv_cache.clone()
+    write_kv_cache(key, batch.value, expected, slot_mapping, k_scale, v_scale)
+    actual = batch.kv_cache.clone()
+    store_kv(key, batch.value, actual, slot_mapping, k_scale, v_scale)
+    assert torch.equal(actual.view(torch.uint8), expected.view(torch.uint8))
+    assert not actual.float().isnan().any() and not actual.float().isinf().any()
+    assert actual[0].float().abs().max().item() == torch.finfo(cache_dtype).max
+
+
+@pytest.mark.gpu
+def test_fp8_scales_are_read_at_graph_replay() -> None:
+    """A decode step over an fp8 cache captured in a CUDA graph; changing k_scale and v_scale
+    in place then replaying gives the result for the new scales (they are device tensors read
+    by the kernels, not host floats baked into the graph)."""
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    batch, k_scale, v_scale = make_fp8_batch([1] * 4, [100, 5, 700, 37], 32, 8, 128,
+                                             torch.bfloat16, torch.float8_e4m3fn, 9)  # fmt: skip
+    backend = TritonAttentionBackend()
+    query, key, value, cache = batch.query.clone(), batch.key, batch.value, batch.kv_cache
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(query, key, value, cache.clone(), batch.metadata, 0.1, k_scale, v_scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    graph_cache = cache.clone()
+    with torch.cuda.graph(graph):
+        out = backend.forward(query, key, value, graph_cache, batch.metadata, 0.1, k_scale,
+                              v_scale)  # fmt: skip
+    k_scale.mul_(1.5)
+    v_scale.mul_(2.0)
+    graph_cache.copy_(cache)
+    graph.replay()
+    expected = TorchAttentionBackend().forward(
+        batch.query.double(), key.double(), value.double(), cache.clone(), batch.metadata, 0.1,
+        k_scale, v_scale,
+    )  # fmt: skip
+    error = ((out.double() - expected).norm() / expected.norm()).item()
+    assert error < 2e-2, error

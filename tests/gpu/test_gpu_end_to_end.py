@@ -91,22 +91,64 @@ def test_cuda_graph_replay_equals_eager(tmp_path: Path) -> None:
         ) == enforce_eager
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
+    assert num_equal_but_near_ties(run(enforce_eager=False), run(enforce_eager=True), 1e-3) >= 3
+
+
+def num_equal_but_near_ties(first: list, second: list, tie: float) -> int:
+    """Check that two runs' greedy outputs (with logprobs=2) agree token for token, or
+    diverge only where both runs' top two tokens are within `tie` in logprob; returns the
+    number of identical outputs."""
     num_identical = 0
-    for graph, eager in zip(run(enforce_eager=False), run(enforce_eager=True), strict=True):
-        if graph.token_ids == eager.token_ids:
+    for one, other in zip(first, second, strict=True):
+        if one.token_ids == other.token_ids:
             num_identical += 1
             continue
         i = next(
-            i
-            for i, (a, b) in enumerate(zip(graph.token_ids, eager.token_ids, strict=True))
-            if a != b
+            i for i, (a, b) in enumerate(zip(one.token_ids, other.token_ids, strict=True)) if a != b
         )
-        a, b = graph.token_ids[i], eager.token_ids[i]
-        assert graph.token_ids[:i] == eager.token_ids[:i]
-        for logprobs in (graph.logprobs[i], eager.logprobs[i]):
+        a, b = one.token_ids[i], other.token_ids[i]
+        for logprobs in (one.logprobs[i], other.logprobs[i]):
             assert a in logprobs and b in logprobs, "diverged at a token that is not a tie"
-            assert abs(logprobs[a].logprob - logprobs[b].logprob) < 1e-3
-    assert num_identical >= 3
+            assert abs(logprobs[a].logprob - logprobs[b].logprob) < tie
+    return num_identical
+
+
+@pytest.mark.parametrize("name", ["stories260k", "tinystories-656k"])
+def test_fp8_kv_cache_gpu_equals_cpu(name: str) -> None:
+    """`kv_cache_dtype="fp8"`: the Triton kernels (CUDA graphs and eager) write the same e4m3
+    bytes as the CPU reference and read them back to the same greedy tokens, up to near-ties
+    (a last-bit difference in a float32 K before rounding can move one fp8 value a step)."""
+    model = str(MODELS / name)
+    if not Path(model).is_dir():
+        pytest.skip(f"{model} not found; set PAGEDSERVE_TEST_MODELS")
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+
+    def run(**kwargs: object) -> list:
+        llm = LLM(model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+                  kv_cache_dtype="fp8", **kwargs)  # type: ignore[arg-type]  # fmt: skip
+        return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    cpu = run(device="cpu")
+    assert num_equal_but_near_ties(run(device="cuda", attention_backend="triton"), cpu, 0.05) >= 6
+    eager = run(device="cuda", attention_backend="triton", enforce_eager=True)
+    assert num_equal_but_near_ties(eager, cpu, 0.05) >= 6
+
+
+def test_fp8_kv_cache_doubles_gpu_blocks() -> None:
+    """On the GPU too, a kv_cache_memory_bytes budget holds twice the blocks in fp8 (bf16
+    model; the profiled sizing divides by the same block bytes)."""
+    model = str(MODELS / "stories260k")
+    if not Path(model).is_dir():
+        pytest.skip(f"{model} not found; set PAGEDSERVE_TEST_MODELS")
+
+    def num_blocks(**kwargs: object) -> int:
+        llm = LLM(model, dtype="bfloat16", device="cuda", kv_cache_memory_bytes=64 << 20,
+                  **kwargs)  # type: ignore[arg-type]  # fmt: skip
+        blocks = llm.llm_engine.engine_core.num_blocks
+        llm.llm_engine.shutdown()
+        return int(blocks)
+
+    assert num_blocks(kv_cache_dtype="fp8") == 2 * num_blocks()
 
 
 def test_no_triton_compile_after_start_up(tmp_path: Path) -> None:

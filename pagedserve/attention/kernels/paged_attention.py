@@ -16,6 +16,12 @@ through its block table in tiles of TILE_N keys with an online softmax (base 2):
 
 A new token at position p sees keys at positions <= p of its own request; the new tokens of a
 request are the last query_len positions of its seq_len.
+
+FP8 KV cache. K and V tiles are loaded in the cache's dtype and upcast to the query's dtype
+before each `tl.dot` (exact: every e4m3/e5m2 value is a bf16 and an fp16 value). The
+per-tensor scales are not applied per element: k_scale multiplies the score scale (q . k is
+linear in k) and v_scale the accumulated output (linear in v), both loaded from device tensors
+inside the kernel so that a captured CUDA graph reads their current values.
 """
 
 # @triton.jit functions take Triton's own (untyped) tensors and constexprs.
@@ -130,6 +136,8 @@ def paged_attention_kernel(
     block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
+    k_scale_ptr,  # [1] float32, read when KV_SCALED (fp8 cache)
+    v_scale_ptr,  # [1] float32, read when KV_SCALED
     num_reqs,
     query_len_lo,  # this launch handles requests with query_len_lo <= query_len <= query_len_hi
     query_len_hi,
@@ -153,6 +161,7 @@ def paged_attention_kernel(
     ONE_Q_BLOCK: tl.constexpr,  # grid axis 0 is the request (every query_len <= BLOCK_Q)
     SPLIT_KV: tl.constexpr,  # write partial (acc, max, sum) per split instead of the output
     DOT_PRECISION: tl.constexpr,
+    KV_SCALED: tl.constexpr,  # the cache holds K / k_scale and V / v_scale (fp8)
 ):
     """Grid (q blocks, num_kv_heads, num_splits). With ONE_Q_BLOCK, axis 0 is the request;
     else it is a global q block index (num_tokens // BLOCK_Q + num_reqs of them, taken in
@@ -202,6 +211,8 @@ def paged_attention_kernel(
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
+    if KV_SCALED:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)  # q . (k_scale * k) = k_scale * (q . k)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -220,6 +231,8 @@ def paged_attention_kernel(
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION,
     )  # fmt: skip
 
+    if KV_SCALED:
+        acc = acc * tl.load(v_scale_ptr)  # sum p * (v_scale * v) = v_scale * sum p * v
     if SPLIT_KV:
         # Empty splits (fewer tiles than splits) store m = -inf, l = 0, acc = 0.
         part = ((req * tl.num_programs(1) + kv_head) * num_splits + split) * BLOCK_M + offs_m
