@@ -61,7 +61,7 @@ class GemmConfig:
 def pick_config(m: int) -> GemmConfig:
     """Tiles by M (untuned starting points; benchmarks/quant_gemm.py --sweep compares others)."""
     if m == 1:
-        return GemmConfig(1, 64, 256, 4, 3)
+        return GemmConfig(1, 64, 128, 4, 3)
     if m <= 16:
         return GemmConfig(16, 64, 128, 4, 3)
     if m <= 32:
@@ -172,46 +172,59 @@ def _quant_gemm_kernel(
     mask_n = offs_n < N
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif BLOCK_M == 1:  # GEMV: products summed over K once, after the loop
+        acc_k = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    shifts = tl.arange(0, PACK) * BITS
     for k_block in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
         offs_kp = k_block * BLOCK_KP + tl.arange(0, BLOCK_KP)
+        offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_kp = offs_kp < K // PACK
-        # Each int32 is loaded once; its PACK values are rows i*PACK + j of W^T, and the dot
-        # over K takes the rows in the order (j, i), reading x's columns the same way.
+        mask_k = offs_k < K
+        # Each int32 is loaded once and unpacked into its PACK rows i*PACK + j: the whole
+        # [BLOCK_K, BLOCK_N] tile in row order, so x's tile is one contiguous (coalesced) load
+        # and one dot covers BLOCK_K.
         words = tl.load(
             qweight_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
             mask=mask_kp[:, None] & mask_n[None, :], other=0,
         )  # fmt: skip
-        if not HAS_G_IDX:
-            scales, offset = _block_group_params(
-                scales_ptr, zeros_ptr, offs_kp, offs_n, mask_kp, mask_n, k_block * BLOCK_K,
-                stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
-                PACK, HAS_ZEROS, ONE_GROUP_PER_BLOCK,
+        q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+        if ONE_GROUP_PER_BLOCK:
+            scales, offset = _group_params(
+                scales_ptr, zeros_ptr, (k_block * BLOCK_K) // group_size, offs_n, mask_n,
+                stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, True,
             )  # fmt: skip
-        for j in tl.static_range(PACK):
-            rows = offs_kp * PACK + j
+        else:
             if HAS_G_IDX:  # sorted rows in uneven groups: each row's own group
-                groups = tl.load(g_idx_ptr + rows, mask=mask_kp, other=0)
-                scales, offset = _group_params(
-                    scales_ptr, zeros_ptr, groups, offs_n, mask_kp[:, None] & mask_n[None, :],
-                    stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, False,
-                )  # fmt: skip
-            # act-order: kernel row k is x's column perm[k]
-            cols = tl.load(perm_ptr + rows, mask=mask_kp, other=0) if HAS_PERM else rows
+                groups = tl.load(g_idx_ptr + offs_k, mask=mask_k, other=0)
+            else:
+                groups = offs_k // group_size
+            scales, offset = _group_params(
+                scales_ptr, zeros_ptr, groups, offs_n, mask_k[:, None] & mask_n[None, :],
+                stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, False,
+            )  # fmt: skip
+        # exactly (q - zero) * scale in fp32 (see `_dequant`)
+        w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - offset) * scales
+        # act-order: kernel row k is x's column perm[k]
+        cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0) if HAS_PERM else offs_k
+        if BLOCK_M == 1:
+            x = tl.load(x_ptr + offs_m * stride_xm + cols * stride_xk, mask=mask_k, other=0.0)
+            acc_k += x.to(tl.float32)[:, None] * w
+        else:
             x = tl.load(
                 x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
-                mask=mask_m[:, None] & mask_kp[None, :], other=0.0,
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0,
             )  # fmt: skip
-            w = _dequant(words, j, scales, offset, BITS)  # [BLOCK_KP, BLOCK_N] fp32
-            if BLOCK_M < 16:  # GEMV: no tensor cores below 16 rows; fp32 FMAs
-                acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
-            elif IEEE:
+            if IEEE:
                 acc += tl.dot(x, w, input_precision="ieee")
             elif SWAP_AB:
                 acc += tl.dot(tl.trans(w.to(x.dtype)), tl.trans(x))
             else:
                 acc += tl.dot(x, w.to(x.dtype))
+    if BLOCK_M == 1:
+        acc = tl.sum(acc_k, axis=0)[None, :]
     if SWAP_AB:
         acc = tl.trans(acc)
     out_mask = mask_m[:, None] & mask_n[None, :]
