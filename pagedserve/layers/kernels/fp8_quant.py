@@ -74,7 +74,7 @@ def _quantize_kernel(
     for start in range(0, K, BLOCK):
         mask = start + cols < K
         x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, _FP8_MAX)
+        q = tl.clamp(tl.div_rn(x, scale), -_FP8_MAX, _FP8_MAX)
         tl.store(out_ptr + row * stride_om + start + cols, q.to(tl.float8e4nv), mask=mask)
 
 
