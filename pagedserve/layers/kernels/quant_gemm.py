@@ -61,7 +61,7 @@ class GemmConfig:
 def pick_config(m: int) -> GemmConfig:
     """Tiles by M (untuned starting points; benchmarks/quant_gemm.py --sweep compares others)."""
     if m == 1:
-        return GemmConfig(1, 64, 256, 4, 3)
+        return GemmConfig(1, 64, 128, 4, 3)
     if m <= 16:
         return GemmConfig(16, 64, 128, 4, 3)
     if m <= 32:
@@ -146,70 +146,21 @@ def _block_group_params(
 
 
 @triton.jit
-def _gemv_block(
-    x_ptr, words, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr, offs_kp, mask_kp, offs_n, mask_n,
-    k_start, K, stride_xk, stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    HAS_PERM: tl.constexpr, ONE_GROUP_PER_BLOCK: tl.constexpr,
-):  # fmt: skip
-    """sum_k x[k] W^T[k, n] over one K block for one row x ([BLOCK_N] fp32), on CUDA cores.
-
-    The words stay [BLOCK_KP, BLOCK_N] and their values are taken as a third axis (row
-    i*PACK + j at [i, j, :]), so neither the weight nor x is reshaped, and x's
-    [BLOCK_KP, PACK] tile is one contiguous load. The fp32 weight is exactly (q - zero) *
-    scale, as `_dequant`."""
-    PACK: tl.constexpr = 32 // BITS
-    js = tl.arange(0, PACK)
-    rows = offs_kp[:, None] * PACK + js[None, :]  # [BLOCK_KP, PACK]
-    mask_rows = mask_kp[:, None] & (rows < K)
-    q = (words[:, None, :] >> (js * BITS)[None, :, None]) & ((1 << BITS) - 1)
-    mask3 = mask_rows[:, :, None] & mask_n[None, None, :]
-    if ONE_GROUP_PER_BLOCK:
-        g = k_start // group_size
-        scales = tl.load(scales_ptr + g * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
-        scales = scales.to(tl.float32)[None, None, :]
-        if HAS_ZEROS:
-            zeros = tl.load(zeros_ptr + g * stride_zg + offs_n * stride_zn, mask=mask_n, other=0)
-            offset = zeros.to(tl.float32)[None, None, :] + 8388608.0
-        else:
-            offset = zero_value + 8388608.0
-    else:
-        if HAS_G_IDX:
-            groups = tl.load(g_idx_ptr + rows, mask=mask_rows, other=0)
-        else:
-            groups = rows // group_size
-        scales = tl.load(
-            scales_ptr + groups[:, :, None] * stride_sg + offs_n[None, None, :] * stride_sn,
-            mask=mask3, other=0.0,
-        ).to(tl.float32)  # fmt: skip
-        if HAS_ZEROS:
-            zeros = tl.load(
-                zeros_ptr + groups[:, :, None] * stride_zg + offs_n[None, None, :] * stride_zn,
-                mask=mask3, other=0,
-            )  # fmt: skip
-            offset = zeros.to(tl.float32) + 8388608.0
-        else:
-            offset = zero_value + 8388608.0
-    w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - offset) * scales
-    cols = tl.load(perm_ptr + rows, mask=mask_rows, other=0) if HAS_PERM else rows
-    x = tl.load(x_ptr + cols * stride_xk, mask=mask_rows, other=0.0).to(tl.float32)
-    return tl.sum(tl.sum(x[:, :, None] * w, axis=1), axis=0)
-
-
-@triton.jit
-def _dot_block(
-    acc, x_ptr, words, shifts, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr,
-    offs_m, mask_m, offs_n, mask_n, k_block, K, stride_xm, stride_xk,
+def _dequant_tile(
+    words, shifts, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr, offs_n, mask_n, k_block, K,
     stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
-    HAS_PERM: tl.constexpr, ONE_GROUP_PER_BLOCK: tl.constexpr, IEEE: tl.constexpr,
-    SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_PERM: tl.constexpr, ONE_GROUP_PER_BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """acc + x[:, block] @ W^T[block, :] on tensor cores for one K block.
+    """One K block of W^T as fp32 [BLOCK_K, BLOCK_N], exactly (q - zero) * scale (see
+    `_dequant`), with x's columns for its rows (through the act-order permutation) and their
+    mask.
 
     Each int32 of `words` [BLOCK_K / PACK, BLOCK_N] is unpacked into its PACK rows
-    i*PACK + j: the whole [BLOCK_K, BLOCK_N] tile in row order, so x's tile is one contiguous
-    (coalesced) load and one dot covers BLOCK_K."""
+    i*PACK + j: the whole tile in row order, so x's tile is one contiguous (coalesced) load
+    and one dot covers BLOCK_K. (A GEMV on the [BLOCK_KP, PACK, BLOCK_N] view without the
+    reshape, with one reduction per block, measured slower on the H200: BENCHMARKS.md.)"""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
@@ -228,21 +179,10 @@ def _dot_block(
             scales_ptr, zeros_ptr, groups, offs_n, mask_k[:, None] & mask_n[None, :],
             stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, False,
         )  # fmt: skip
-    # exactly (q - zero) * scale in fp32 (see `_dequant`)
     w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - offset) * scales
     # act-order: kernel row k is x's column perm[k]
     cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0) if HAS_PERM else offs_k
-    x = tl.load(
-        x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
-        mask=mask_m[:, None] & mask_k[None, :], other=0.0,
-    )  # fmt: skip
-    if IEEE:
-        acc += tl.dot(x, w, input_precision="ieee")
-    elif SWAP_AB:
-        acc += tl.dot(tl.trans(w.to(x.dtype)), tl.trans(x))
-    else:
-        acc += tl.dot(x, w.to(x.dtype))
-    return acc
+    return w, cols, mask_k
 
 
 # M and split_k vary with the batch: not specialized, so a new batch size compiles nothing.
@@ -272,6 +212,8 @@ def _quant_gemm_kernel(
     mask_n = offs_n < N
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif BLOCK_M == 1:  # GEMV: products summed over K once, after the loop
+        acc_k = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     shifts = tl.arange(0, PACK) * BITS
@@ -282,21 +224,27 @@ def _quant_gemm_kernel(
             qweight_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
             mask=mask_kp[:, None] & mask_n[None, :], other=0,
         )  # fmt: skip
-        if BLOCK_M == 1:  # GEMV on CUDA cores (one row of x)
-            acc += _gemv_block(
-                x_ptr + pid_m * stride_xm, words, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr,
-                offs_kp, mask_kp, offs_n, mask_n, k_block * BLOCK_K, K, stride_xk,
-                stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
-                BITS, HAS_ZEROS, HAS_G_IDX, HAS_PERM, ONE_GROUP_PER_BLOCK,
-            )[None, :]  # fmt: skip
+        w, cols, mask_k = _dequant_tile(
+            words, shifts, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr, offs_n, mask_n, k_block,
+            K, stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
+            BITS, HAS_ZEROS, HAS_G_IDX, HAS_PERM, ONE_GROUP_PER_BLOCK, BLOCK_K, BLOCK_N,
+        )  # fmt: skip
+        if BLOCK_M == 1:  # GEMV on CUDA cores (one row of x), fp32 weights
+            x = tl.load(x_ptr + pid_m * stride_xm + cols * stride_xk, mask=mask_k, other=0.0)
+            acc_k += x.to(tl.float32)[:, None] * w
         else:
-            acc = _dot_block(
-                acc, x_ptr, words, shifts, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr,
-                offs_m, mask_m, offs_n, mask_n, k_block, K, stride_xm, stride_xk,
-                stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
-                BITS, HAS_ZEROS, HAS_G_IDX, HAS_PERM, ONE_GROUP_PER_BLOCK, IEEE, SWAP_AB,
-                BLOCK_K, BLOCK_N,
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0,
             )  # fmt: skip
+            if IEEE:
+                acc += tl.dot(x, w, input_precision="ieee")
+            elif SWAP_AB:
+                acc += tl.dot(tl.trans(w.to(x.dtype)), tl.trans(x))
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
+    if BLOCK_M == 1:
+        acc = tl.sum(acc_k, axis=0)[None, :]
     if SWAP_AB:
         acc = tl.trans(acc)
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -408,7 +356,12 @@ def quant_gemm(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    config = config or pick_config(m)
+    if config is None:
+        config = pick_config(m)
+        if x.dtype == torch.float32 and config.block_m >= 16:
+            # fp32 tiles take twice the shared memory: (128, 128, 128) at 3 stages asked for
+            # 238 KB on the H200 (limit 227 KB per block)
+            config = GemmConfig(min(config.block_m, 64), 64, 128, 4, 2)
     block_k = _block_k(w, config)
     weight_args, flags = _weight_args(w, block_k)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
