@@ -148,7 +148,10 @@ def test_fp8_kv_cache_doubles_gpu_blocks() -> None:
         llm.llm_engine.shutdown()
         return int(blocks)
 
-    assert num_blocks(kv_cache_dtype="fp8") == 2 * num_blocks()
+    bf16 = num_blocks()
+    # floor(budget / (bytes / 2)) is 2 * floor(budget / bytes) or one more (13,107 vs 6,553
+    # on the H200)
+    assert num_blocks(kv_cache_dtype="fp8") in (2 * bf16, 2 * bf16 + 1)
 
 
 def test_no_triton_compile_after_start_up(tmp_path: Path) -> None:

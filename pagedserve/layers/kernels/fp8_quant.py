@@ -13,7 +13,8 @@ and write x_q once:
 
 Values equal `quantize_fp8(x, fp8_dynamic_scale(x, per_token))` of
 `pagedserve.layers.quantization.fp8` (the CPU reference): x / scale in float32 with
-round-to-nearest division, saturated to +-448, rounded to nearest even.
+round-to-nearest division (the scale itself is amax times float32(1/448)), saturated to
++-448, rounded to nearest even.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -29,6 +30,7 @@ BLOCK_K = 1024
 # The same numbers as Triton constants (a kernel reads only constexpr globals).
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
+_INV_FP8_MAX = tl.constexpr(1.0 / FP8_MAX)  # rounded to float32 in the kernel, as PyTorch
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -60,7 +62,7 @@ def _quantize_kernel(
     elif MODE == 1:
         offs = tl.arange(0, NUM_PARTIALS)
         amax = tl.max(tl.load(partial_ptr + offs), axis=0)
-        scale = tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
+        scale = tl.maximum(amax * _INV_FP8_MAX, _MIN_SCALE)
         if row == 0:
             tl.store(scale_ptr, scale)
     else:
@@ -69,7 +71,7 @@ def _quantize_kernel(
             mask = start + cols < K
             x = tl.load(x_row + start + cols, mask=mask, other=0.0)
             amax_block = tl.maximum(amax_block, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.div_rn(tl.max(amax_block, axis=0), _FP8_MAX), _MIN_SCALE)
+        scale = tl.maximum(tl.max(amax_block, axis=0) * _INV_FP8_MAX, _MIN_SCALE)
         tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK):
         mask = start + cols < K

@@ -52,7 +52,10 @@ def fp8_dynamic_scale(
 ) -> torch.Tensor:  # [M, 1] (per token) or [] float32
     """The scale that maps the largest |x| (of each row, or of all) onto 448."""
     amax = x.abs().amax(dim=-1, keepdim=True) if per_token else x.abs().amax()
-    return (amax.to(torch.float32) / FP8_MAX).clamp(min=MIN_SCALE)
+    # times the float32 1/448, not / 448: PyTorch's CUDA division by a scalar multiplies by
+    # the reciprocal, and the fused kernel (layers/kernels/fp8_quant.py) does the same, so CPU,
+    # GPU PyTorch and the kernel agree bit for bit
+    return (amax.to(torch.float32) * (1.0 / FP8_MAX)).clamp(min=MIN_SCALE)
 
 
 def quantize_fp8(
