@@ -68,14 +68,17 @@ def gptq_jobs() -> list[dict[str, Any]]:
 
 
 def awq_jobs() -> list[dict[str, Any]]:
-    """AutoAWQ's rows: 4-bit GEMM, g32/g64/g128, zero points."""
-    return [
-        {
-            "label": f"awq-4bit-g{g}",
-            "params": {"zero_point": True, "q_group_size": g, "w_bit": 4, "version": "GEMM"},
-        }
-        for g in (32, 64, 128)
-    ]
+    """AutoAWQ's rows: 4-bit GEMM, g32/g64/g128, zero points; with its defaults, and at g128
+    also with duo_scaling=False (its scale search from activations alone: on this model the
+    default, which also divides by weight magnitudes, is worse than RTN)."""
+    jobs = []
+    for g, options in ((32, {}), (64, {}), (128, {}), (128, {"duo_scaling": False})):
+        params = {"zero_point": True, "q_group_size": g, "w_bit": 4, "version": "GEMM"}
+        suffix = "-noduo" if options else ""
+        jobs.append(
+            {"label": f"awq-4bit-g{g}{suffix}", "params": {**params, "quantize_options": options}}
+        )
+    return jobs
 
 
 def rtn_rows(work: Path) -> list[Row]:
