@@ -7,12 +7,15 @@ frozen config (vLLM's `QuantizationConfig.from_config`). Both run when the engin
 built, so an unsupported checkpoint fails before any worker starts. The linear methods that
 use these configs live in `pagedserve.layers.quantization`.
 
-Import rule: a leaf (torch-free, imports nothing from pagedserve), so that the engine and
-`pagedserve.config` can check a checkpoint without model code.
+Import rule: a leaf (torch-free, imports nothing from pagedserve but the leaf
+`pagedserve.quant_files`), so that the engine and `pagedserve.config` can check a checkpoint
+without model code.
 """
 
 from dataclasses import dataclass
 from typing import Any
+
+from pagedserve.quant_files import QUANT_CONFIG_FILES, quant_config_source
 
 # The values of `--quantization` (vLLM's names).
 QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
@@ -285,8 +288,9 @@ def _ct_scheme(group: dict[str, Any], fmt: str | None) -> QuantizationConfig:
 
 
 def checkpoint_quant_config(hf_config: Any) -> dict[str, Any] | None:
-    """config.json's `quantization_config` (or llm-compressor's older `compression_config`)
-    as a dict, or None for an unquantized checkpoint."""
+    """config.json's `quantization_config` (or llm-compressor's older `compression_config`,
+    or the parameters `quant_files.attach_quant_config_file` read from a file beside
+    config.json) as a dict, or None for an unquantized checkpoint."""
     for name in ("quantization_config", "compression_config"):
         value = getattr(hf_config, name, None)
         if value is not None:
@@ -317,15 +321,21 @@ def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {requested!r}")
     found = checkpoint_quant_method(hf_config)
+    source = quant_config_source(hf_config)
     if found is not None and found not in QUANTIZATION_METHODS:
         raise ValueError(
-            f"the checkpoint's quantization_config.quant_method {found!r} is not supported; "
+            f"the checkpoint's quant_method {found!r} ({source}) is not supported; "
             f"supported: {QUANTIZATION_METHODS}"
         )
     if requested is not None and found is not None and requested != found:
         raise ValueError(
-            f"quantization={requested!r} was asked for, but the checkpoint's "
-            f"quantization_config.quant_method is {found!r}"
+            f"quantization={requested!r} was asked for, but the checkpoint's quant_method "
+            f"is {found!r} ({source})"
+        )
+    if requested is None and found is None and checkpoint_quant_config(hf_config) is not None:
+        raise ValueError(
+            f"the checkpoint has quantization parameters ({source}) but no quant_method "
+            f"that tells their method; pass quantization= (one of {QUANTIZATION_METHODS})"
         )
     method = requested or found
     if method is not None:
@@ -351,7 +361,8 @@ def get_quantization_config(method: str, hf_config: Any) -> QuantizationConfig:
             return Fp8Config(checkpoint_fp8=False)
         raise ValueError(
             f"quantization={method!r} needs a checkpoint quantized with it, but config.json "
-            f"has no quantization_config"
+            f"has no quantization_config and there is no {' or '.join(QUANT_CONFIG_FILES)} "
+            f"beside it"
         )
     if method == "awq":
         return AWQConfig.from_config(quant_config)

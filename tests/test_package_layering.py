@@ -81,6 +81,7 @@ LEAVES = {
     "pagedserve.sampling_params",
     "pagedserve.config",
     "pagedserve.quant_config",
+    "pagedserve.quant_files",
     "pagedserve.outputs",
 }
 # Never import torch (anywhere in their body, except config's device check): their tests run

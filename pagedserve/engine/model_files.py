@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.errors import UnsupportedModelError
+from pagedserve.quant_files import attach_quant_config_file
 from pagedserve.sampling_params import SamplingParams, default_max_tokens
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,9 @@ def load_hf_config(
 ) -> Any:
     """transformers' config of a local model folder, with `hf_overrides` merged in (vLLM's
     `--hf-overrides`: each key set on the config; a dict for a nested config, such as
-    `text_config`, is merged into it).
+    `text_config`, is merged into it). An older quantized checkpoint's quantize_config.json /
+    quant_config.json is attached as its quantization_config where config.json has none
+    (`quant_files.attach_quant_config_file`; overrides still win).
 
     Raises UnsupportedModelError if the folder or its config.json is missing, or when the
     config needs the folder's own code (config.json's `auto_map`) and `trust_remote_code`
@@ -54,6 +57,7 @@ def load_hf_config(
         )
     except ValueError as e:
         raise remote_code_error(e, "model", model, "config.json") from None
+    attach_quant_config_file(config, model)
     if hf_overrides:
         apply_hf_overrides(config, hf_overrides)
     return config

@@ -134,8 +134,10 @@ def float_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 PROMPTS = [[5, 17, 300, 42], [7] * 20, list(range(100, 133)), [450, 3]]
 
 
-def llm_greedy(path: Path, option: str | None, method: str) -> list[list[int]]:
-    """Greedy 10-token outputs of `LLM` on PROMPTS from the quantized checkpoint `path`
+def llm_greedy(
+    path: Path, option: str | None, method: str, prompts: list[list[int]] = PROMPTS
+) -> list[list[int]]:
+    """Greedy 10-token outputs of `LLM` on `prompts` from the quantized checkpoint `path`
     (`quantization=option`), checking that the engine resolved `method`."""
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     with LLM(
@@ -149,7 +151,7 @@ def llm_greedy(path: Path, option: str | None, method: str) -> list[list[int]]:
         max_model_len=64,
     ) as llm:
         assert llm.llm_engine.config.model_config.quantization == method
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
