@@ -312,13 +312,14 @@ def test_scaled_mm_matches_the_reference(
 @pytest.mark.gpu
 def test_fp8_model_on_gpu_matches_cpu(float_model: Path, tmp_path: Path) -> None:
     """A tiny FP8 checkpoint (static per-tensor scales: no batch dependence) scores the CPU
-    reference path's greedy tokens on the GPU (`_scaled_mm`) within 0.5 nats of the CPU's
-    own log-probs at every position (0.33 at worst on the H200; a GPU path that drops or
-    misapplies a scale is off by several nats). The matmul's accuracy itself is checked
-    above against the reference, within its tolerance. (Token-for-token equality is not a
-    fair check: the two matmuls accumulate in different orders, and an activation on an FP8
-    rounding boundary then rounds to a neighbouring value, a 6% step; on the H200 one
-    10-token output flipped a near-tie that way.)"""
+    reference path's greedy tokens on the GPU (`_scaled_mm`) close to the CPU's own
+    log-probs: within 0.1 nats on average and 2 at worst (a GPU path that drops or misapplies
+    a scale is off by several nats everywhere). This random model amplifies FP8 rounding
+    flips: the worst position differed by 0.33 and 0.65 nats in two H200 runs. The matmul's
+    accuracy itself is checked above against the reference, within its tolerance.
+    (Token-for-token equality is not a fair check: the two matmuls accumulate in different
+    orders, and an activation on an FP8 rounding boundary then rounds to a neighbouring
+    value, a 6% step; on the H200 one 10-token output flipped a near-tie that way.)"""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 matmul on this GPU")
     amax = calibrate(float_model, PROMPTS)
@@ -331,8 +332,13 @@ def test_fp8_model_on_gpu_matches_cpu(float_model: Path, tmp_path: Path) -> None
     del model
     sequences = [p + t for p, t in zip(PROMPTS, llm_greedy(fp8), strict=True)]
     cpu, gpu = token_logprobs(fp8, sequences), token_logprobs(fp8, sequences, device="cuda")
-    for cpu_seq, gpu_seq in zip(cpu, gpu, strict=True):
-        assert max(abs(a - b) for a, b in zip(cpu_seq, gpu_seq, strict=True)) < 0.5
+    diffs = [
+        abs(a - b)
+        for cpu_seq, gpu_seq in zip(cpu, gpu, strict=True)
+        for a, b in zip(cpu_seq, gpu_seq, strict=True)
+    ]
+    mean, worst = sum(diffs) / len(diffs), max(diffs)
+    assert mean < 0.1 and worst < 2.0, f"mean {mean:.4f}, max {worst:.4f} nats"
 
 
 def token_logprobs(
