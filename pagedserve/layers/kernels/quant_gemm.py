@@ -6,12 +6,12 @@ optional act-order permutation `perm` (x's columns are gathered through it insid
 and per-row groups `g_idx`. Two paths, picked by the number of rows M of x:
 
 - M < DEQUANT_MATMUL_MIN_M: `quant_gemm`, which dequantizes W^T inside the K loop: each int32
-  word of a [BLOCK_K / pack, BLOCK_N] tile is loaded once and its pack values (rows
-  i*pack + j) are dequantized one j at a time, fp32 (q - zero) * scale, then rounded to x's
-  dtype for a tensor-core dot with fp32 accumulation against x's matching columns (for M = 1,
-  fp32 FMAs on the unrounded weights instead). Small M splits K over several programs
-  (split-K) so that a decode step fills the GPU; the fp32 partial sums are then added (with
-  the bias) by a second small kernel.
+  word of a [BLOCK_K / pack, BLOCK_N] tile is loaded once and unpacked into its pack rows
+  i*pack + j, the whole [BLOCK_K, BLOCK_N] tile in row order, fp32 (q - zero) * scale, then
+  rounded to x's dtype for one tensor-core dot per block with fp32 accumulation against x's
+  contiguous tile (for M = 1, fp32 products on the unrounded weights, summed after the loop).
+  Small M splits K over several programs (split-K) so that a decode step fills the GPU; the
+  fp32 partial sums are then added (with the bias) by a second small kernel.
 - M >= DEQUANT_MATMUL_MIN_M: `dequantize` writes W^T [K, N] in x's dtype, then cuBLAS.
 
 Numerics: every weight is (q - zero) * scale computed exactly in fp32; the tensor-core paths
@@ -33,11 +33,11 @@ import triton.language as tl
 
 from pagedserve.layers.quantization.packed import PackedWeights
 
-# Rows of x from which dequantize + cuBLAS replaces the in-loop kernel. A placeholder until the
-# lead measures the crossover on the H200: `python benchmarks/quant_gemm.py` prints, per M,
-# the time of both paths for Llama-3.1-8B's shapes and the best one; set this to the smallest
-# M from which dequantize + cuBLAS wins on all of them.
-DEQUANT_MATMUL_MIN_M = 1024
+# Rows of x from which dequantize + cuBLAS replaces the in-loop kernel: the smallest M of
+# benchmarks/quant_gemm.py's grid (1, 16, 64, 256, 1024, 4096) from which it won on all four
+# Llama-3.1-8B shapes on the H200 (tree 0ad4463: one layer's linears at M = 256, 0.34 ms
+# against 0.58 ms in-loop; at M = 64 the in-loop kernel wins, 0.19 against 0.27 ms).
+DEQUANT_MATMUL_MIN_M = 256
 # Aim for this many programs per SM when choosing split-K (enough loads in flight to keep
 # HBM busy in a memory-bound decode GEMM).
 PROGRAMS_PER_SM = 4
