@@ -119,3 +119,29 @@ def test_bad_generate_flags_end_with_one_line(flags: list[str], words: str) -> N
         cli_main(["generate", "--device", "cpu", *flags])
     message = str(exit_info.value.code)
     assert message.startswith("pagedserve generate: error: ") and words in message
+
+
+def test_a_refused_checkpoint_ends_with_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint the quantization code refuses (NotImplementedError, here a compressed-tensors
+    kv_cache_scheme) printed a traceback from both commands."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    fixture = Path(__file__).parents[1] / "quantization" / "fixtures" / "ct-fp8-dynamic"
+    folder = tmp_path / "ct-kv"
+    shutil.copytree(fixture, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float"}
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer = Path(__file__).parents[2] / "pagedserve" / "assets" / "stories260k"
+    flags = ["--device", "cpu", "--tokenizer", str(tokenizer)]
+    for command, argv in [
+        ("generate", ["generate", "--model", str(folder), *flags]),
+        ("serve", ["serve", str(folder), "--port", "0", *flags]),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(argv)
+        message = str(exit_info.value.code)
+        assert message.startswith(f"pagedserve {command}: error: "), message
+        assert "kv_cache_scheme is not supported" in message and "\n" not in message
