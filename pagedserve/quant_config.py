@@ -216,18 +216,26 @@ class CompressedTensorsConfig(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "CompressedTensorsConfig":
         """Parse `config_groups` (each with targets, weights, input_activations), `format`,
-        `ignore`, `sparsity_config`, `kv_cache_scheme`. Raises NotImplementedError naming an
-        unsupported scheme (INT8 W8A8, 2:4 sparsity, several different schemes, a quantized
-        KV cache) and ValueError naming an unsupported bits / group size / format."""
+        `ignore`, `sparsity_config`, `kv_cache_scheme` (FP8 only: its scales are read by the
+        loader). Raises NotImplementedError naming an unsupported scheme (INT8 W8A8, 2:4
+        sparsity, several different schemes, a non-FP8 KV cache) and ValueError naming an
+        unsupported bits / group size / format."""
         sparsity = config.get("sparsity_config") or {}
         if sparsity.get("format", "dense") != "dense":
             raise NotImplementedError(
                 f"compressed-tensors sparsity_config format={sparsity.get('format')!r} "
                 f"(e.g. 2:4 sparse) is not supported"
             )
-        if config.get("kv_cache_scheme") is not None:
+        kv_scheme = config.get("kv_cache_scheme")
+        if kv_scheme is not None and (
+            kv_scheme.get("num_bits") != 8 or kv_scheme.get("type", "int") != "float"
+        ):
+            # An FP8 KV scheme only brings per-layer k/v scales (`*_proj.output_scale`), which
+            # the loader reads (models/kv_scales.py) and --kv-cache-dtype fp8 uses; other
+            # schemes (INT8) would need a different cache format.
             raise NotImplementedError(
-                "compressed-tensors kv_cache_scheme is not supported (use --kv-cache-dtype)"
+                f"compressed-tensors kv_cache_scheme {kv_scheme!r} is not supported; "
+                f"supported: FP8 (num_bits 8, type float), with --kv-cache-dtype fp8"
             )
         check_ignored("compressed-tensors ignore", list(config.get("ignore") or []))
         groups = list((config.get("config_groups") or {}).values())

@@ -200,3 +200,33 @@ def test_unsupported_compressed_tensors_schemes_are_refused(
     tmp_path: Path, quant: dict, error: type, words: list[str]
 ) -> None:
     assert_refused(tmp_path, quant, None, error, words)
+
+
+def test_fp8_kv_cache_scheme_loads_its_scales(tmp_path: Path) -> None:
+    """An FP8 `kv_cache_scheme` (llm-compressor's calibrated KV scales, written as
+    `k_proj.output_scale` / `v_proj.output_scale`) loads, and the scales reach the attention
+    layers that an fp8 KV cache uses; it was refused before."""
+    from pagedserve.layers.attention import Attention
+
+    folder = tmp_path / "ct-kv"
+    shutil.copytree(FIXTURES / "ct-fp8-dynamic", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(folder / "model.safetensors")
+    num_layers = config["num_hidden_layers"]
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}.self_attn"
+        weights[f"{prefix}.k_proj.output_scale"] = torch.tensor([0.5 + i])
+        weights[f"{prefix}.v_proj.output_scale"] = torch.tensor([0.25 + i])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    model = load_model(
+        str(folder), hf_config, torch.float32, torch.device("cpu"), "auto", "compressed-tensors"
+    )
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    assert [(a.k_scale.item(), a.v_scale.item()) for a in layers] == [
+        (0.5 + i, 0.25 + i) for i in range(num_layers)
+    ]
