@@ -7,23 +7,38 @@ import sys
 from pagedserve.engine.arg_utils import engine_args_from_namespace
 from pagedserve.entrypoints.openai.cli_args import add_engine_args, add_server_args
 
+# `pagedserve generate`'s own defaults, for what neither a flag nor the model's
+# generation_config.json sets (64 greedy tokens).
+GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
 
 def _generate(args: argparse.Namespace) -> int:
+    from pagedserve.engine.model_files import default_sampling_params
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.sampling_params import SamplingParams
 
+    given = {
+        name: value
+        for name, value in (
+            ("max_tokens", args.max_tokens),
+            ("temperature", args.temperature),
+            ("top_p", args.top_p),
+            ("top_k", args.top_k),
+        )
+        if value is not None
+    }
+    extra = {"seed": args.sampling_seed, "stop": args.stop or None}
     # Bad values end the command with one line naming them (sampling ones before the model
     # loads), not a traceback.
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.sampling_seed,
-            stop=args.stop or None,
-        )
+        SamplingParams(**{**GENERATE_DEFAULTS, **given}, **extra)  # type: ignore[arg-type]
         llm = LLM.from_engine_args(engine_args_from_namespace(args))
+        # Flags win over the model's generation_config.json defaults (as request fields do
+        # on the server), which win over the command's own.
+        values = {**GENERATE_DEFAULTS, **llm.llm_engine.config.model_config.diff_sampling_param}
+        params = default_sampling_params({**values, **given, **extra})
+        if "max_tokens" in given:  # the user's: not a default lowered to fit the context
+            params.max_tokens = given["max_tokens"]
         prompts = args.prompt or ["Once upon a time"]
         outputs = llm.generate(prompts, params, use_tqdm=False)
     except (ValueError, NotImplementedError) as e:  # NotImplementedError: a refused checkpoint
@@ -50,16 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate continuations of prompts with the offline engine.",
     )
     gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    gen.add_argument(
-        "--max-tokens", type=int, default=64, help="tokens per prompt (default: %(default)s)"
-    )
-    gen.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)"
-    )
-    gen.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default: %(default)s)"
-    )
-    gen.add_argument("--top-k", type=int, default=0, help="top-k, 0 = off (default: %(default)s)")
+    # None: the model's generation_config.json default, else GENERATE_DEFAULTS
+    gen.add_argument("--max-tokens", type=int, help="tokens per prompt (default: 64)")
+    gen.add_argument("--temperature", type=float, help="0 = greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, help="nucleus mass, 1 = off (default: 1)")
+    gen.add_argument("--top-k", type=int, help="top-k, 0 = off (default: 0)")
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     gen.add_argument("--stop", action="append", help="a stop string (repeat for several)")
     add_engine_args(gen)

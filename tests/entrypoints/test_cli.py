@@ -146,3 +146,15 @@ def test_a_refused_checkpoint_ends_with_one_line(tmp_path) -> None:  # type: ign
         assert message.startswith(f"pagedserve {command}: error: "), message
         assert "kv_cache_scheme" in message and "not supported" in message
         assert "\n" not in message
+
+
+def test_generate_takes_generation_config_defaults_and_flags_win(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`pagedserve generate` logged the generation config's defaults but used its own flag
+    defaults (64 tokens); now a flag wins, then the model's default, then the command's."""
+    import json
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5}))
+    base = ["generate", "--device", "cpu", "--generation-config", str(tmp_path)]
+    for flags, expected in [([], "5 tokens"), (["--max-tokens", "3"], "3 tokens")]:
+        assert cli_main([*base, "--prompt", "Once upon a time", *flags]) == 0
+        assert f"(length, {expected})" in capsys.readouterr().out
