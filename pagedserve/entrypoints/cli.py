@@ -26,7 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
         llm = LLM.from_engine_args(engine_args_from_namespace(args))
         prompts = args.prompt or ["Once upon a time"]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:  # a bad option; an unsupported checkpoint
         raise SystemExit(f"pagedserve generate: error: {e}") from None
     for output in outputs:
         completion = output.outputs[0]
