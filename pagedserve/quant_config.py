@@ -12,6 +12,7 @@ Import rule: a leaf (torch-free, imports nothing from pagedserve but the leaf
 without model code.
 """
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,12 +243,38 @@ class CompressedTensorsConfig(QuantizationConfig):
         schemes = {_ct_scheme(g, g.get("format") or config.get("format")) for g in groups}
         if not schemes:
             raise ValueError("compressed-tensors quantization_config has no config_groups")
+        _check_targets_cover_every_linear([t for g in groups for t in g.get("targets") or []])
         if len(schemes) != 1:
             raise NotImplementedError(
                 f"compressed-tensors with {len(schemes)} different schemes in config_groups "
                 f"is not supported (one scheme for every Linear is)"
             )
         return cls(scheme=schemes.pop())
+
+
+# Linear layers of a decoder layer (our Llama-family models), as compressed-tensors names them.
+_DECODER_LINEARS = tuple(
+    f"model.layers.0.{name}"
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+)
+
+
+def _check_targets_cover_every_linear(targets: list[str]) -> None:
+    """Raise NotImplementedError unless the config groups' `targets` quantize every Linear
+    ("Linear", or module names / "re:" patterns that match each of them): the layers they
+    leave out keep float weights, and per-layer methods are not implemented."""
+    if "Linear" in targets:
+        return
+    for name in _DECODER_LINEARS:
+        if not any(
+            re.match(t[3:], name) if t.startswith("re:") else name.endswith(t) for t in targets
+        ):
+            raise NotImplementedError(
+                f"compressed-tensors config_groups targets {targets} leave {name} (and maybe "
+                f"other Linear layers) unquantized: only checkpoints with every Linear "
+                f"quantized alike are supported"
+            )
 
 
 def _ct_scheme(group: dict[str, Any], fmt: str | None) -> QuantizationConfig:

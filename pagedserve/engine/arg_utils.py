@@ -32,6 +32,7 @@ from pagedserve.engine.model_files import (
     read_eos_token_ids,
     read_generation_config,
 )
+from pagedserve.errors import UnsupportedModelError
 from pagedserve.quant_config import resolve_quantization
 
 # Who builds the engine (vLLM's UsageContext): the offline `LLM` class gets a larger default
@@ -210,6 +211,10 @@ class EngineArgs:
                 weights=False,
                 trust_remote_code=self.trust_remote_code,
             )
+            if not os.path.isdir(tokenizer):  # a path, not an id: transformers' OSError
+                raise UnsupportedModelError(  # would call it a malformed Hub id
+                    f"tokenizer folder {tokenizer!r} does not exist (nor is it a Hub id)"
+                )
         hf_config = load_hf_config(model, self.trust_remote_code, self.hf_overrides)
         generation_config = read_generation_config(
             generation_config_folder(model, self.generation_config)

@@ -103,6 +103,8 @@ class EngineCoreClient:
             raise RuntimeError("the engine core process died while starting") from None
         if kind == "invalid":
             raise ValueError(payload)
+        if kind == "unsupported":
+            raise NotImplementedError(payload)
         if kind != "ready":
             raise RuntimeError(f"the engine core failed to start:\n{payload}")
         logger.info(

@@ -18,7 +18,8 @@ its fields in order):
         EngineCoreError     ["error", traceback_text]   the loop failed; the process exits
 
 Startup goes over a multiprocessing pipe, once: ("ready", num_blocks), ("invalid", message)
-for a ValueError (a bad option) or ("error", traceback text).
+for a ValueError (a bad option), ("unsupported", message) for a NotImplementedError (a
+checkpoint we cannot run) or ("error", traceback text).
 The core binds "input" and the server connects to it once the core is ready; the server binds
 "output". Neither side has a high-water mark, so sends never block. The core exits on
 "shutdown", when its parent process is gone (checked while idle), or on an error.
@@ -74,9 +75,12 @@ def run_engine_core(
         core = EngineCore(EngineArgs(**engine_args).create_engine_config())
         loop = _CoreLoop(core, input_address, output_address, parent_pid)
     except BaseException as e:
-        # A ValueError names a bad option: the caller re-raises it as one, without our stack.
+        # A ValueError names a bad option, a NotImplementedError an unsupported checkpoint
+        # (a quantized GPT-2): the caller re-raises each as its type, without our stack.
         if isinstance(e, ValueError):
             ready_pipe.send(("invalid", str(e)))
+        elif isinstance(e, NotImplementedError):
+            ready_pipe.send(("unsupported", str(e)))
         else:
             ready_pipe.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None

@@ -80,15 +80,24 @@ def remote_code_error(error: ValueError, what: str, folder: str, file: str) -> V
 
 def apply_hf_overrides(config: Any, overrides: dict[str, Any]) -> None:
     """Set each key of `overrides` on `config` (a transformers PretrainedConfig); a dict
-    given for an attribute that is itself a config updates that config, key by key."""
+    given for an attribute that is itself a config updates that config, key by key. Raises
+    UnsupportedModelError naming the key when transformers refuses the value (a string
+    vocab_size): its own error is no ValueError, a traceback from `pagedserve serve`."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import PretrainedConfig
 
     for key, value in overrides.items():
         current = getattr(config, key, None)
         if isinstance(current, PretrainedConfig) and isinstance(value, dict):
             apply_hf_overrides(current, value)
-        else:
+            continue
+        try:
             setattr(config, key, value)
+        except (StrictDataclassError, TypeError, ValueError) as e:  # transformers' field checks
+            reason = " ".join(str(e).split())
+            raise UnsupportedModelError(
+                f"hf_overrides sets {key}={value!r}, which the model's config refuses: {reason}"
+            ) from None
     logger.info("hf_overrides applied to the model's config: %s", overrides)
 
 

@@ -31,7 +31,7 @@ def _generate(args: argparse.Namespace) -> int:
     # Bad values end the command with one line naming them (sampling ones before the model
     # loads), not a traceback.
     try:
-        SamplingParams(**{**GENERATE_DEFAULTS, **given}, **extra)  # type: ignore[arg-type]
+        SamplingParams(**{**GENERATE_DEFAULTS, **given}, **extra)
         llm = LLM.from_engine_args(engine_args_from_namespace(args))
         # Flags win over the model's generation_config.json defaults (as request fields do
         # on the server), which win over the command's own.
@@ -41,7 +41,7 @@ def _generate(args: argparse.Namespace) -> int:
             params.max_tokens = given["max_tokens"]
         prompts = args.prompt or ["Once upon a time"]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    except (ValueError, NotImplementedError) as e:  # NotImplementedError: a refused checkpoint
+    except (ValueError, NotImplementedError) as e:  # a bad option; an unsupported checkpoint
         raise SystemExit(f"pagedserve generate: error: {e}") from None
     for output in outputs:
         completion = output.outputs[0]

@@ -32,12 +32,18 @@ def default_weight_loader(
     loaded_weight: torch.Tensor,  # same shape as param, any dtype and device
 ) -> None:
     """Copy a replicated (unsharded) tensor, casting to the parameter's dtype and device."""
+    check_same_shape(param, loaded_weight)
+    param.data.copy_(loaded_weight)
+
+
+def check_same_shape(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """Raise ValueError naming both shapes unless they are equal (copy_ would broadcast a
+    [1] tensor silently). The loader (`models.loader`) adds the checkpoint tensor's name."""
     if param.shape != loaded_weight.shape:
         raise ValueError(
             f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
             f"but the parameter expects {tuple(param.shape)}"
         )
-    param.data.copy_(loaded_weight)
 
 
 def get_weight_loader(param: nn.Parameter) -> WeightLoader:
@@ -90,6 +96,7 @@ def _load_shared(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         default_weight_loader(param, loaded_weight)
         param.shared_loaded = True  # type: ignore[attr-defined]
         return
+    check_same_shape(param, loaded_weight)  # else a [1] would compare as broadcast
     other = torch.empty_like(param.data)
     other.copy_(loaded_weight)  # also reads a lazy SafetensorsSlice
     if not torch.equal(param.data, other):

@@ -69,7 +69,7 @@ def load_model(
         else:
             sharded = get_tp_size() > 1
             weights = iterate_safetensor_slices(files) if sharded else iterate_safetensors(files)
-            loaded = cast(_LoadsWeights, model).load_weights(weights)
+            loaded = _load_naming_tensor(cast(_LoadsWeights, model), weights, model_path)
             _check_all_loaded(model, loaded, model_path)
         process_weights_after_loading(model)
     return model.eval()
@@ -245,6 +245,31 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
         if isinstance(module, RMSNorm | nn.LayerNorm):
             for name, param in module.named_parameters(recurse=False):
                 param.data.fill_(1.0 if name == "weight" else 0.0)
+
+
+def _load_naming_tensor(
+    model: _LoadsWeights, weights: Iterable[tuple[str, torch.Tensor]], model_path: str
+) -> set[str]:
+    """`model.load_weights(weights)`, where an error loading a tensor (a weight loader's
+    shape check: "has shape (3, 64), expected (4, 64)"; torch's own size mismatch) names the
+    checkpoint tensor it happened on: UnsupportedModelError "checkpoint tensor NAME in PATH:
+    ...". Errors that already name the tensor pass unchanged."""
+    current: list[str] = []
+
+    def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            current[:] = [name]
+            yield name, tensor
+        current.clear()  # an error after the last tensor is not that tensor's
+
+    try:
+        return model.load_weights(tracked())
+    except (ValueError, RuntimeError) as e:
+        if not current or current[0] in str(e):
+            raise
+        raise UnsupportedModelError(
+            f"checkpoint tensor {current[0]!r} in {model_path!r}: {e}"
+        ) from e
 
 
 def _check_all_loaded(model: nn.Module, loaded: set[str], model_path: str) -> None:

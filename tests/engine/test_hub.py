@@ -102,6 +102,14 @@ def test_tokenizer_hub_id_at_its_revision(offline_cache: Path) -> None:
         EngineArgs(tokenizer="testorg/tok", **SMALL).create_engine_config()  # no main branch
 
 
+@pytest.mark.parametrize("tokenizer", ["/no/such/tokenizer", "./tok", "a/b/c"])
+def test_a_missing_tokenizer_folder_is_named(tokenizer: str) -> None:
+    """Names that cannot be Hub ids are folders; a missing one was transformers' OSError
+    calling it a malformed repo id, after the config had been built."""
+    with pytest.raises(UnsupportedModelError, match=f"tokenizer folder '{tokenizer}' does not"):
+        EngineArgs(tokenizer=tokenizer, **SMALL).create_engine_config()
+
+
 def test_offline_unknown_id_is_one_line_naming_it_and_the_variable(offline_cache: Path) -> None:
     with pytest.raises(UnsupportedModelError) as info:
         EngineArgs(model="testorg/missing", **SMALL).create_engine_config()

@@ -104,3 +104,27 @@ def test_hf_overrides_update_a_nested_config() -> None:
     assert isinstance(outer.text_config, LlamaConfig)
     assert (outer.text_config.hidden_size, outer.text_config.num_attention_heads) == (32, 4)
     assert outer.tie_word_embeddings is False
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"vocab_size": "x"}, "hf_overrides sets vocab_size='x'"),
+        ({"max_position_embeddings": None}, "hf_overrides sets max_position_embeddings=None"),
+    ],
+)
+def test_an_override_the_config_refuses_is_one_line_naming_it(
+    overrides: dict[str, object], words: str
+) -> None:
+    """transformers' strict-dataclass error is no ValueError: `pagedserve serve` printed a
+    traceback of several lines."""
+    from pagedserve.entrypoints.openai.api_server import run_server
+
+    with pytest.raises(UnsupportedModelError, match=words):
+        EngineArgs(hf_overrides=overrides, **SMALL).create_engine_config()
+    flags = ["--hf-overrides", json.dumps(overrides), "--device", "cpu", "--port", "0"]
+    with pytest.raises(SystemExit) as exit_info:
+        run_server(build_parser().parse_args(["serve", *flags]))
+    message = str(exit_info.value.code)
+    assert message.startswith("pagedserve serve: error: ") and "\n" not in message
+    assert words in message

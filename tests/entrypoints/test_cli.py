@@ -121,6 +121,45 @@ def test_bad_generate_flags_end_with_one_line(flags: list[str], words: str) -> N
     assert message.startswith("pagedserve generate: error: ") and words in message
 
 
+def _unsupported_checkpoints(tmp_path) -> list[tuple[list[str], str]]:  # type: ignore[no-untyped-def]
+    """(flags, words) of checkpoints refused with NotImplementedError: one when the config is
+    read (a compressed-tensors layer left unquantized), one in the engine-core process when
+    the model is built (online FP8 of a GPT-2)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from tests.entrypoints.test_llm_greedy import CONFIGS, save_tiny_model
+
+    fixture = Path(__file__).parents[1] / "quantization" / "fixtures" / "ct-fp8-dynamic"
+    ct = tmp_path / "ct"
+    shutil.copytree(fixture, ct)
+    config = json.loads((ct / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["lm_head", "model.layers.0.mlp.down_proj"]
+    (ct / "config.json").write_text(json.dumps(config))
+    gpt2 = save_tiny_model(CONFIGS["gpt2"], tmp_path / "gpt2")
+    return [
+        ([str(ct)], "ignore lists 'model.layers.0.mlp.down_proj'"),
+        ([str(gpt2), "--quantization", "fp8"], "GPT2LMHeadModel does not support quantized"),
+    ]
+
+
+def test_unsupported_checkpoints_end_serve_and_generate_with_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Both were tracebacks: NotImplementedError was not caught, and the engine-core process
+    sent it back as a RuntimeError holding its whole stack."""
+    for flags, words in _unsupported_checkpoints(tmp_path):
+        args = build_parser().parse_args(["serve", *flags, "--device", "cpu", "--port", "0"])
+        with pytest.raises(SystemExit) as exit_info:
+            run_server(args)
+        message = str(exit_info.value.code)
+        assert message.startswith("pagedserve serve: error: ") and "\n" not in message
+        assert words in message, message
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["generate", "--model", *flags, "--device", "cpu"])
+        message = str(exit_info.value.code)
+        assert message.startswith("pagedserve generate: error: ") and words in message
+
+
 def test_a_refused_checkpoint_ends_with_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A checkpoint the quantization code refuses (NotImplementedError, here a compressed-tensors
     INT8 kv_cache_scheme) printed a traceback from both commands."""

@@ -22,7 +22,7 @@ from pagedserve.models.loader import load_model
 from pagedserve.quant_config import CompressedTensorsConfig, Fp8Config, GPTQConfig
 
 from .test_fp8 import fp8_dense, linear_weights
-from .test_gptq_models import assert_refused
+from .test_gptq_models import assert_refused, config_folder, engine_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 NAMES = ("ct-fp8-dynamic", "ct-w4a16-g32", "ct-w4a16-asym-g32")
@@ -157,6 +157,16 @@ INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
 INT8_ACTS = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
 
 
+def test_targets_that_cover_every_linear_are_accepted(tmp_path: Path) -> None:
+    groups = {"a": {"targets": ["re:.*mlp.*", "re:.*self_attn.*"], "weights": INT4}}
+    config = engine_config(config_folder(tmp_path, {**scheme(INT4), "config_groups": groups}))
+    assert config.model_config.quantization == "compressed-tensors"
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    groups = {"a": {"targets": names, "weights": INT4}}
+    config = engine_config(config_folder(tmp_path, {**scheme(INT4), "config_groups": groups}))
+    assert config.model_config.quantization == "compressed-tensors"
+
+
 @pytest.mark.parametrize(
     ("quant", "error", "words"),
     [
@@ -193,6 +203,21 @@ INT8_ACTS = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
             },
             NotImplementedError,
             ["2 different schemes"],
+        ),
+        # Only down_proj quantized: the other linears' float weights were misread (fp8) or
+        # refused as "matches no model parameter", blaming the architecture.
+        (
+            {
+                **scheme(INT4),
+                "config_groups": {"a": {"targets": ["re:.*down_proj"], "weights": INT4}},
+            },
+            NotImplementedError,
+            ["targets ['re:.*down_proj'] leave model.layers.0.self_attn.q_proj"],
+        ),
+        (
+            {**scheme(INT4), "config_groups": {"a": {"targets": ["re:.*mlp.*"], "weights": INT4}}},
+            NotImplementedError,
+            ["self_attn.q_proj", "unquantized"],
         ),
     ],
 )

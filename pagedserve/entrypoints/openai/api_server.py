@@ -308,7 +308,7 @@ def run_server(args: argparse.Namespace) -> None:
             log_stats_interval_s=args.stats_log_interval,
             metrics=metrics,
         )
-    except (ValueError, NotImplementedError) as e:  # NotImplementedError: a refused checkpoint
+    except (ValueError, NotImplementedError) as e:  # a bad option; an unsupported checkpoint
         sock.close()
         raise SystemExit(f"pagedserve serve: error: {e}") from None
     server: list[uvicorn.Server] = []  # made once the app exists
