@@ -61,7 +61,7 @@ class GemmConfig:
 def pick_config(m: int) -> GemmConfig:
     """Tiles by M (untuned starting points; benchmarks/quant_gemm.py --sweep compares others)."""
     if m == 1:
-        return GemmConfig(1, 64, 128, 4, 3)
+        return GemmConfig(1, 64, 256, 4, 3)
     if m <= 16:
         return GemmConfig(16, 64, 128, 4, 3)
     if m <= 32:
@@ -185,6 +185,39 @@ def _dequant_tile(
     return w, cols, mask_k
 
 
+@triton.jit
+def _gemv_words(
+    acc, x_ptr, words, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr, offs_kp, mask_kp, offs_n,
+    mask_n, k_start, stride_xk, stride_sg, stride_sn, stride_zg, stride_zn, group_size,
+    zero_value,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    HAS_PERM: tl.constexpr, ONE_GROUP_PER_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """acc [BLOCK_KP, BLOCK_N] fp32 plus one row of x against one K block on CUDA cores: the
+    products summed over each word's PACK values (rows i*PACK + j), not yet over i. Value j of every
+    word is dequantized in place (no reshape of the tile), and the x values it meets are a
+    strided gather of BLOCK_KP elements (cached)."""
+    PACK: tl.constexpr = 32 // BITS
+    if not HAS_G_IDX:
+        scales, offset = _block_group_params(
+            scales_ptr, zeros_ptr, offs_kp, offs_n, mask_kp, mask_n, k_start,
+            stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
+            PACK, HAS_ZEROS, ONE_GROUP_PER_BLOCK,
+        )  # fmt: skip
+    for j in tl.static_range(PACK):
+        rows = offs_kp * PACK + j
+        if HAS_G_IDX:
+            groups = tl.load(g_idx_ptr + rows, mask=mask_kp, other=0)
+            scales, offset = _group_params(
+                scales_ptr, zeros_ptr, groups, offs_n, mask_kp[:, None] & mask_n[None, :],
+                stride_sg, stride_sn, stride_zg, stride_zn, zero_value, HAS_ZEROS, False,
+            )  # fmt: skip
+        cols = tl.load(perm_ptr + rows, mask=mask_kp, other=0) if HAS_PERM else rows
+        x = tl.load(x_ptr + cols * stride_xk, mask=mask_kp, other=0.0).to(tl.float32)
+        acc += x[:, None] * _dequant(words, j, scales, offset, BITS)
+    return acc
+
+
 # M and split_k vary with the batch: not specialized, so a new batch size compiles nothing.
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _quant_gemm_kernel(
@@ -213,7 +246,7 @@ def _quant_gemm_kernel(
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     elif BLOCK_M == 1:  # GEMV: products summed over K once, after the loop
-        acc_k = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        acc_k = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     shifts = tl.arange(0, PACK) * BITS
@@ -224,15 +257,19 @@ def _quant_gemm_kernel(
             qweight_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
             mask=mask_kp[:, None] & mask_n[None, :], other=0,
         )  # fmt: skip
-        w, cols, mask_k = _dequant_tile(
-            words, shifts, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr, offs_n, mask_n, k_block,
-            K, stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
-            BITS, HAS_ZEROS, HAS_G_IDX, HAS_PERM, ONE_GROUP_PER_BLOCK, BLOCK_K, BLOCK_N,
-        )  # fmt: skip
         if BLOCK_M == 1:  # GEMV on CUDA cores (one row of x), fp32 weights
-            x = tl.load(x_ptr + pid_m * stride_xm + cols * stride_xk, mask=mask_k, other=0.0)
-            acc_k += x.to(tl.float32)[:, None] * w
+            acc_k = _gemv_words(
+                acc_k, x_ptr + pid_m * stride_xm, words, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr,
+                offs_kp, mask_kp, offs_n, mask_n, k_block * BLOCK_K, stride_xk,
+                stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
+                BITS, HAS_ZEROS, HAS_G_IDX, HAS_PERM, ONE_GROUP_PER_BLOCK,
+            )  # fmt: skip
         else:
+            w, cols, mask_k = _dequant_tile(
+                words, shifts, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr, offs_n, mask_n,
+                k_block, K, stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
+                BITS, HAS_ZEROS, HAS_G_IDX, HAS_PERM, ONE_GROUP_PER_BLOCK, BLOCK_K, BLOCK_N,
+            )  # fmt: skip
             x = tl.load(
                 x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk,
                 mask=mask_m[:, None] & mask_k[None, :], other=0.0,
