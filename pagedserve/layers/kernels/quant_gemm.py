@@ -9,7 +9,8 @@ and per-row groups `g_idx`. Two paths, picked by the number of rows M of x:
   word of a [BLOCK_K / pack, BLOCK_N] tile is loaded once and unpacked into its pack rows
   i*pack + j, the whole [BLOCK_K, BLOCK_N] tile in row order, fp32 (q - zero) * scale, then
   rounded to x's dtype for one tensor-core dot per block with fp32 accumulation against x's
-  contiguous tile (for M = 1, fp32 products on the unrounded weights, summed after the loop).
+  contiguous tile (for M = 1, `_gemv_words`: fp32 products on the unrounded weights, value j
+  of each word in place, summed after the loop).
   Small M splits K over several programs (split-K) so that a decode step fills the GPU; the
   fp32 partial sums are then added (with the bias) by a second small kernel.
 - M >= DEQUANT_MATMUL_MIN_M: `dequantize` writes W^T [K, N] in x's dtype, then cuBLAS.
@@ -159,8 +160,8 @@ def _dequant_tile(
 
     Each int32 of `words` [BLOCK_K / PACK, BLOCK_N] is unpacked into its PACK rows
     i*PACK + j: the whole tile in row order, so x's tile is one contiguous (coalesced) load
-    and one dot covers BLOCK_K. (A GEMV on the [BLOCK_KP, PACK, BLOCK_N] view without the
-    reshape, with one reduction per block, measured slower on the H200: BENCHMARKS.md.)"""
+    and one dot covers BLOCK_K (tensor-core path; M = 1 uses `_gemv_words`, which measured
+    faster without the reshape: BENCHMARKS.md)."""
     offs_k = k_block * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
