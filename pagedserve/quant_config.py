@@ -239,7 +239,15 @@ class CompressedTensorsConfig(QuantizationConfig):
                 f"supported: FP8 (num_bits 8, type float), with --kv-cache-dtype fp8"
             )
         check_ignored("compressed-tensors ignore", list(config.get("ignore") or []))
-        groups = list((config.get("config_groups") or {}).values())
+        config_groups = config.get("config_groups") or {}
+        if not isinstance(config_groups, dict) or not all(
+            isinstance(g, dict) for g in config_groups.values()
+        ):
+            raise ValueError(
+                "compressed-tensors config_groups must map group names to schemes (objects), "
+                f"got {type(config_groups).__name__}"
+            )
+        groups = list(config_groups.values())
         schemes = {_ct_scheme(g, g.get("format") or config.get("format")) for g in groups}
         if not schemes:
             raise ValueError("compressed-tensors quantization_config has no config_groups")

@@ -95,6 +95,13 @@ def test_the_cli_flag_reaches_the_engine_args(tmp_path: Path) -> None:
         (None, "gptq", ValueError, ["no quantization_config"]),
         # a compressed-tensors config without schemes is never loaded as if unquantized
         ({"quant_method": "compressed-tensors"}, None, ValueError, ["no config_groups"]),
+        # a malformed one is a ValueError naming the field (it was an AttributeError)
+        (
+            {"quant_method": "compressed-tensors", "config_groups": [{"targets": ["Linear"]}]},
+            None,
+            ValueError,
+            ["config_groups must map", "list"],
+        ),
     ],
 )
 def test_unsupported_or_contradicting_quantization_is_refused(
