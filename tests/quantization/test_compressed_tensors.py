@@ -255,3 +255,15 @@ def test_fp8_kv_cache_scheme_loads_its_scales(tmp_path: Path) -> None:
     assert [(a.k_scale.item(), a.v_scale.item()) for a in layers] == [
         (0.5 + i, 0.25 + i) for i in range(num_layers)
     ]
+
+
+def test_channel_strategy_splits_over_row_parallel_ranks() -> None:
+    """The channel strategy (group_size -1: one group over K) keeps its group whole on each
+    row-parallel rank, as GPTQ's; compressed-tensors refused it under tensor parallelism
+    ("input size 32 is not a multiple of group_size 64")."""
+    method = CompressedTensorsWNA16Method(
+        GPTQConfig(weight_bits=4, group_size=-1, desc_act=False, zero_offset=0)
+    )
+    layer = torch.nn.Module()
+    method.create_weights(layer, 32, [16], 64, 16, torch.float32, None)  # half of K = 64
+    assert tuple(layer.weight_scale.shape) == (16, 1)

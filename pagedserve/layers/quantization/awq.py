@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedserve.layers.quantization.base import (
     DequantizingLinearMethod,
+    check_input_split,
     check_output_packing,
     layer_tensor,
     register_param,
@@ -74,12 +75,7 @@ class AWQLinearMethod(DequantizingLinearMethod):
     ) -> None:
         config = self.quant_config
         pack, group_size = config.pack_factor, config.group_size
-        if input_size_per_partition % group_size:
-            raise ValueError(
-                f"AWQ: this rank's input size {input_size_per_partition} (of {input_size}) is "
-                f"not a multiple of group_size {group_size}; the tensor parallel size may be "
-                f"too large"
-            )
+        check_input_split("AWQ", input_size_per_partition, input_size, group_size, 1)
         check_output_packing("AWQ", output_partition_sizes, pack)
         n = sum(output_partition_sizes)
         num_groups = input_size_per_partition // group_size

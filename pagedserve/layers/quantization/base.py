@@ -32,6 +32,22 @@ def register_param(
     layer.register_parameter(name, param)
 
 
+def check_input_split(
+    method: str, input_size_per_partition: int, input_size: int, group_size: int, pack: int
+) -> None:
+    """Raise ValueError unless this rank's input rows hold whole groups and whole int32
+    words along K. group_size -1 is one group over all of K, which row-parallel ranks keep
+    whole (every rank holds it); pack is the values per int32 along K (1: not packed)."""
+    split_group = group_size != -1 and input_size_per_partition % group_size
+    if split_group or input_size_per_partition % pack:
+        words = f" and of {pack} values per int32" if pack > 1 else ""
+        raise ValueError(
+            f"{method}: this rank's input size {input_size_per_partition} (of {input_size}) "
+            f"is not a multiple of group_size {group_size}{words}; the tensor parallel size "
+            f"may be too large"
+        )
+
+
 def check_output_packing(method: str, output_partition_sizes: list[int], pack: int) -> None:
     """Raise ValueError unless each of this rank's fused output sizes fills whole int32 words
     (the output features are packed `pack` per word in qzeros, and in AWQ's qweight)."""

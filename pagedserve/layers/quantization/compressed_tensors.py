@@ -30,6 +30,7 @@ from torch import nn
 
 from pagedserve.layers.quantization.base import (
     LinearMethodBase,
+    check_input_split,
     check_output_packing,
     layer_tensor,
     register_param,
@@ -60,13 +61,10 @@ class CompressedTensorsWNA16Method(LinearMethodBase):
     ) -> None:
         config = self.quant_config
         pack = config.pack_factor
+        check_input_split(
+            "compressed-tensors", input_size_per_partition, input_size, config.group_size, pack
+        )
         group_size = config.group_size if config.group_size != -1 else input_size
-        if input_size_per_partition % group_size or input_size_per_partition % pack:
-            raise ValueError(
-                f"compressed-tensors: this rank's input size {input_size_per_partition} (of "
-                f"{input_size}) is not a multiple of group_size {group_size} and of {pack} "
-                f"values per int32; the tensor parallel size may be too large"
-            )
         check_output_packing("compressed-tensors", output_partition_sizes, pack)
         self.sizes = (input_size_per_partition, output_partition_sizes, input_size, output_size)
         self.params_dtype, self.layer_loader = params_dtype, weight_loader

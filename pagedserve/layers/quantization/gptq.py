@@ -27,6 +27,7 @@ from torch import nn
 
 from pagedserve.layers.quantization.base import (
     DequantizingLinearMethod,
+    check_input_split,
     check_output_packing,
     layer_tensor,
     register_param,
@@ -75,14 +76,8 @@ class GPTQLinearMethod(DequantizingLinearMethod):
     ) -> None:
         config = self.quant_config
         pack = config.pack_factor
+        check_input_split("GPTQ", input_size_per_partition, input_size, config.group_size, pack)
         group_size = config.group_size if config.group_size != -1 else input_size
-        split_group = config.group_size != -1 and input_size_per_partition % group_size
-        if split_group or input_size_per_partition % pack:
-            raise ValueError(
-                f"GPTQ: this rank's input size {input_size_per_partition} (of {input_size}) "
-                f"is not a multiple of group_size {group_size} and of {pack} values per int32; "
-                f"the tensor parallel size may be too large"
-            )
         check_output_packing("GPTQ", output_partition_sizes, pack)
         output_size_per_partition = sum(output_partition_sizes)
         # Row-parallel shards keep their own groups, unless rows of a shard may belong to any
