@@ -41,7 +41,7 @@ from pagedserve.layers.quantization.packed import (
     PackedWeights,
     awq_packed_weights,
     gptq_packed_weights,
-    pack_rows,
+    pack_int32,
     unpack_int32,
 )
 from pagedserve.quant_config import AWQConfig, GPTQConfig, QuantizationConfig
@@ -309,7 +309,7 @@ def test_linear_methods_use_the_kernels_interpreted(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize("bits", [4, 8])
 def test_pack_rows_inverts_unpack(bits: int) -> None:
     values = torch.randint(0, 2**bits, (64, 24))
-    packed = pack_rows(values, bits)
+    packed = pack_int32(values, bits, 0)  # along K, GPTQ's qweight layout
     assert packed.shape == (64 * bits // 32, 24) and packed.dtype == torch.int32
     assert torch.equal(unpack_int32(packed, bits, 0), values.to(torch.int32))
 

@@ -60,12 +60,6 @@ def pack_int32(
     return words.to(torch.int32).movedim(-1, dim)
 
 
-def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:  # [K / pack, N] int32
-    """Pack unsigned `values` [K, N] (< 2**bits, K a multiple of 32 // bits) along K,
-    value j of a run of rows in bits [j*bits, (j+1)*bits) (GPTQ's qweight layout)."""
-    return pack_int32(values, bits, 0)
-
-
 class PackedWeights(nn.Module):
     """A quantized linear's weight in the kernels' layout (module docstring); its tensors are
     frozen parameters, so they count in `model.parameters()` and move with the model.
@@ -123,7 +117,7 @@ def _packed(
     perm = g_idx = None
     if not torch.equal(groups, runs):
         order = torch.argsort(groups, stable=True)
-        q_packed = pack_rows(unpack_int32(q_packed, bits, 0)[order], bits)
+        q_packed = pack_int32(unpack_int32(q_packed, bits, 0)[order], bits, 0)
         sorted_groups = groups[order]
         perm = order.to(torch.int32)
         if not torch.equal(sorted_groups, runs):  # e.g. a row-parallel shard of act-order
@@ -166,4 +160,4 @@ def awq_packed_weights(
     q = unpack_int32(qweight, 4, 1, pack_order)  # [K, N]
     zeros = unpack_int32(qzeros, 4, 1, pack_order)
     groups = torch.arange(q.size(0), device=q.device) // group_size
-    return _packed(pack_rows(q, 4), zeros, scales, groups, 4, group_size)
+    return _packed(pack_int32(q, 4, 0), zeros, scales, groups, 4, group_size)
