@@ -35,6 +35,13 @@ AWQ_VERSIONS = ("gemm",)
 FP8_ACTIVATION_SCHEMES = ("static", "dynamic")
 
 
+def check_supported(what: str, value: Any, supported: tuple[Any, ...]) -> None:
+    """Raise ValueError "WHAT=VALUE is not supported; supported: SUPPORTED" unless `value` is
+    one of `supported`."""
+    if value not in supported:
+        raise ValueError(f"{what}={value!r} is not supported; supported: {supported}")
+
+
 class QuantizationConfig:
     """A checkpoint's quantization parameters (vLLM's `QuantizationConfig`, torch-free)."""
 
@@ -82,20 +89,12 @@ class GPTQConfig(PackedIntConfig):
         """Parse an HF `quantization_config` dict (keys bits, group_size, desc_act, sym,
         checkpoint_format). Raises ValueError naming an unsupported value and the supported
         ones."""
-        bits = config.get("bits")
-        if bits not in GPTQ_BITS:
-            raise ValueError(f"GPTQ bits={bits!r} is not supported; supported: {GPTQ_BITS}")
+        bits: Any = config.get("bits")
+        check_supported("GPTQ bits", bits, GPTQ_BITS)
         group_size = config.get("group_size", -1)
-        if group_size not in GPTQ_GROUP_SIZES:
-            raise ValueError(
-                f"GPTQ group_size={group_size!r} is not supported; supported: {GPTQ_GROUP_SIZES}"
-            )
+        check_supported("GPTQ group_size", group_size, GPTQ_GROUP_SIZES)
         checkpoint_format = config.get("checkpoint_format") or "gptq"
-        if checkpoint_format not in GPTQ_CHECKPOINT_FORMATS:
-            raise ValueError(
-                f"GPTQ checkpoint_format={checkpoint_format!r} is not supported; "
-                f"supported: {GPTQ_CHECKPOINT_FORMATS}"
-            )
+        check_supported("GPTQ checkpoint_format", checkpoint_format, GPTQ_CHECKPOINT_FORMATS)
         if config.get("lm_head"):
             raise NotImplementedError("GPTQ checkpoints with a quantized lm_head are not supported")
         return cls(
@@ -126,17 +125,12 @@ class AWQConfig(PackedIntConfig):
         q_group_size, zero_point, version; both spellings, as vLLM). Raises ValueError naming
         an unsupported bits, group size or version and the supported ones;
         NotImplementedError for zero_point false (AutoAWQ's GEMM layer cannot pack it)."""
-        bits = config.get("bits", config.get("w_bit"))
-        if bits not in AWQ_BITS:
-            raise ValueError(f"AWQ bits={bits!r} is not supported; supported: {AWQ_BITS}")
+        bits: Any = config.get("bits", config.get("w_bit"))
+        check_supported("AWQ bits", bits, AWQ_BITS)
         group_size = config.get("group_size", config.get("q_group_size"))
-        if group_size not in AWQ_GROUP_SIZES:
-            raise ValueError(
-                f"AWQ group_size={group_size!r} is not supported; supported: {AWQ_GROUP_SIZES}"
-            )
+        check_supported("AWQ group_size", group_size, AWQ_GROUP_SIZES)
         version = str(config.get("version", "gemm")).lower()
-        if version not in AWQ_VERSIONS:
-            raise ValueError(f"AWQ version={version!r} is not supported; supported: {AWQ_VERSIONS}")
+        check_supported("AWQ version", version, AWQ_VERSIONS)
         if not config.get("zero_point", True):
             raise NotImplementedError(
                 "AWQ zero_point=false is not supported (AutoAWQ's GEMM layout always has "
@@ -172,11 +166,7 @@ class Fp8Config(QuantizationConfig):
         an unsupported activation scheme or a block-wise `weight_block_size`;
         NotImplementedError for ignored layers other than lm_head."""
         scheme = config.get("activation_scheme")
-        if scheme not in FP8_ACTIVATION_SCHEMES:
-            raise ValueError(
-                f"fp8 activation_scheme={scheme!r} is not supported; supported: "
-                f"{FP8_ACTIVATION_SCHEMES}"
-            )
+        check_supported("fp8 activation_scheme", scheme, FP8_ACTIVATION_SCHEMES)
         if config.get("weight_block_size") is not None:
             raise ValueError(
                 f"fp8 weight_block_size={config['weight_block_size']!r} (block-wise FP8) is not "
