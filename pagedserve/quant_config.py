@@ -127,7 +127,7 @@ class AWQConfig(PackedIntConfig):
         NotImplementedError for zero_point false (AutoAWQ's GEMM layer cannot pack it)."""
         bits: Any = config.get("bits", config.get("w_bit"))
         check_supported("AWQ bits", bits, AWQ_BITS)
-        group_size = config.get("group_size", config.get("q_group_size"))
+        group_size: Any = config.get("group_size", config.get("q_group_size"))
         check_supported("AWQ group_size", group_size, AWQ_GROUP_SIZES)
         version = str(config.get("version", "gemm")).lower()
         check_supported("AWQ version", version, AWQ_VERSIONS)
