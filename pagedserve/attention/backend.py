@@ -17,6 +17,8 @@ class AttentionBackend(Protocol):
     K / k_scale and V / v_scale, clamped to the format's range (`attention.kv_quant`), and
     the backend scales them back when it reads them. k_scale and v_scale are device tensors
     (read inside the kernels, so a CUDA graph sees their current values); None means 1.0.
+    `sliding_window` and `logits_soft_cap` are the layer's (see `layers.attention.Attention`);
+    None means full causal attention and raw scores.
     """
 
     name: str
@@ -31,6 +33,9 @@ class AttentionBackend(Protocol):
         scale: float,
         k_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
         v_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 

@@ -59,7 +59,9 @@ class TorchAttentionBackend:
     `max_query_len` and keys to `max_seq_len`, and a mask keeps each query token to the keys
     at positions <= its own, inside its own request. It is the ground truth for the Triton
     kernels; it favours clarity over speed. An fp8 cache is dequantized (`k_fp8 * k_scale`,
-    `v_fp8 * v_scale`) to the query's dtype before the attention.
+    `v_fp8 * v_scale`) to the query's dtype before the attention. A sliding window narrows the
+    mask to the last `sliding_window` positions; a soft cap computes the scores explicitly
+    (at least float32) since SDPA has no hook for it.
     """
 
     name = "torch"
@@ -74,6 +76,9 @@ class TorchAttentionBackend:
         scale: float,
         k_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
         v_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         md = attn_metadata
         write_kv_cache(key, value, kv_cache, md.slot_mapping, k_scale, v_scale)
@@ -100,14 +105,31 @@ class TorchAttentionBackend:
         query_positions = (md.seq_lens - query_lens)[:, None] + cols[None, :]  # [R, Q]
         key_positions = torch.arange(md.max_seq_len, device=device)
         mask = key_positions[None, None, :] <= query_positions[:, :, None]  # [R, Q, S]
-        mask[:, :, 0] = True  # padded query rows would otherwise be all-masked (NaN)
+        if sliding_window is not None:
+            mask &= key_positions[None, None, :] > query_positions[:, :, None] - sliding_window
+        # Padded query rows would otherwise be all-masked (NaN); their output is dropped.
+        padded_rows = cols[None, :] >= query_lens[:, None]  # [R, Q]
+        mask[:, :, 0] |= padded_rows
 
-        out = F.scaled_dot_product_attention(
-            padded_query.transpose(1, 2),  # [R, H, Q, D]
-            keys.transpose(1, 2).to(query.dtype),  # [R, Hkv, S, D]
-            values.transpose(1, 2).to(query.dtype),
-            attn_mask=mask[:, None, :, :],
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
+        q = padded_query.transpose(1, 2)  # [R, H, Q, D]
+        k = keys.transpose(1, 2).to(query.dtype)  # [R, Hkv, S, D]
+        v = values.transpose(1, 2).to(query.dtype)
+        if logits_soft_cap is None:
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask[:, None, :, :],
+                scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )
+        else:
+            group = num_heads // num_kv_heads
+            acc = torch.promote_types(query.dtype, torch.float32)
+            k = k.repeat_interleave(group, dim=1).to(acc)
+            v = v.repeat_interleave(group, dim=1).to(acc)
+            scores = (q.to(acc) @ k.transpose(-1, -2)) * scale
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+            scores = scores.masked_fill(~mask[:, None, :, :], float("-inf"))
+            out = (scores.softmax(dim=-1) @ v).to(query.dtype)
         return out.transpose(1, 2)[req_indices, token_cols]  # [num_tokens, H, D]

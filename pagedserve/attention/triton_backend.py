@@ -267,7 +267,15 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
         v_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if sliding_window is not None or logits_soft_cap is not None:
+            raise ValueError(
+                "the Triton attention backend has no sliding window or logit soft cap yet; "
+                "use --attention-backend torch"
+            )
         store_kv(key, value, kv_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         plan = self._plan(query, key, attn_metadata)
