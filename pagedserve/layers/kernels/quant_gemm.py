@@ -61,8 +61,8 @@ class GemmConfig:
 
 def pick_config(m: int) -> GemmConfig:
     """Tiles by M (untuned starting points; benchmarks/quant_gemm.py --sweep compares others)."""
-    if m == 1:
-        return GemmConfig(1, 64, 256, 4, 3)
+    if m == 1:  # H200 sweep (benchmarks/quant_gemm.py): 32 x 512 beat 64 x 256 by 10%
+        return GemmConfig(1, 32, 512, 4, 3)
     if m <= 16:
         return GemmConfig(16, 64, 128, 4, 3)
     if m <= 32:
@@ -251,13 +251,32 @@ def _quant_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     shifts = tl.arange(0, PACK) * BITS
+    w_ptrs = qweight_ptr + tl.arange(0, BLOCK_KP)[:, None] * stride_qk + offs_n[None, :] * stride_qn
+    if BLOCK_M == 1:
+        # The GEMV's loads feed no dot, so Triton does not pipeline them: the next block's
+        # words are loaded by hand before this block is computed (two blocks in flight per
+        # program; 10-20% on the H200, benchmarks/quant_gemm.py). Weights are read once per
+        # step: evict_first keeps them from pushing x and the scales out of L2.
+        words = tl.load(
+            w_ptrs + pid_k * BLOCK_KP * stride_qk,
+            mask=((pid_k * BLOCK_KP + tl.arange(0, BLOCK_KP)) < K // PACK)[:, None]
+            & mask_n[None, :],
+            other=0, eviction_policy="evict_first",
+        )  # fmt: skip
     for k_block in range(pid_k, tl.cdiv(K, BLOCK_K), split_k):
         offs_kp = k_block * BLOCK_KP + tl.arange(0, BLOCK_KP)
         mask_kp = offs_kp < K // PACK
-        words = tl.load(
-            qweight_ptr + offs_kp[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-            mask=mask_kp[:, None] & mask_n[None, :], other=0,
-        )  # fmt: skip
+        if BLOCK_M == 1:
+            next_words = tl.load(
+                w_ptrs + (k_block + split_k) * BLOCK_KP * stride_qk,
+                mask=((offs_kp + split_k * BLOCK_KP) < K // PACK)[:, None] & mask_n[None, :],
+                other=0, eviction_policy="evict_first",
+            )  # fmt: skip
+        else:
+            words = tl.load(
+                w_ptrs + k_block * BLOCK_KP * stride_qk,
+                mask=mask_kp[:, None] & mask_n[None, :], other=0,
+            )  # fmt: skip
         if BLOCK_M == 1:  # GEMV on CUDA cores (one row of x), fp32 weights
             acc_k = _gemv_words(
                 acc_k, x_ptr + pid_m * stride_xm, words, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr,
@@ -265,6 +284,7 @@ def _quant_gemm_kernel(
                 stride_sg, stride_sn, stride_zg, stride_zn, group_size, zero_value,
                 BITS, HAS_ZEROS, HAS_G_IDX, HAS_PERM, ONE_GROUP_PER_BLOCK,
             )  # fmt: skip
+            words = next_words
         else:
             w, cols, mask_k = _dequant_tile(
                 words, shifts, scales_ptr, zeros_ptr, g_idx_ptr, perm_ptr, offs_n, mask_n,
