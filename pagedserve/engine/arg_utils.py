@@ -158,6 +158,8 @@ class EngineArgs:
         of USAGE_CONTEXTS) picks the default step token budget as vLLM does.
 
         Raises UnsupportedModelError (a ValueError) when the folder or its config is missing,
+        or when no backend of `model_impl` runs its architecture (`registry.check_model_impl`,
+        which also refuses tensor parallelism and quantization with the transformers backend),
         and ValueError when an option has the wrong type or is out of range (naming the option
         and the limit; the configs' `__post_init__` check the ranges). The options that need
         no model are checked before the model's config is read. The quantization method is
