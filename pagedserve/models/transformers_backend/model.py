@@ -217,7 +217,13 @@ def _checkpoint_renamings(hf_model: nn.Module) -> list[Any]:
     except ImportError:
         return []
     transforms = get_model_conversion_mapping(cast(Any, hf_model))
-    return [t for t in transforms if isinstance(t, WeightRenaming)]
+    # (rename_source_key is how transformers 5.x renames one key; a version without it
+    # loads by module names only.)
+    return [
+        t
+        for t in transforms
+        if isinstance(t, WeightRenaming) and callable(getattr(t, "rename_source_key", None))
+    ]
 
 
 class _HiddenStatesPassThrough(nn.Module):
