@@ -61,6 +61,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--model-impl", default="auto", choices=("auto", "pagedserve", "vllm", "transformers")
+    )
     add_quantization_args(parser)
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
@@ -75,6 +78,7 @@ def main() -> None:
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.9,
         quantization=args.quantization,
+        model_impl=args.model_impl,
     )
     engine = llm.llm_engine
     runner = engine.engine_core.executor.worker.runner
@@ -140,6 +144,7 @@ def main() -> None:
             {
                 "benchmark": "roofline",
                 "preset": args.preset,
+                "model_impl": args.model_impl,
                 "quantization": quantization_config(args) or args.quantization,
                 "context": args.context,
                 "batch_size": args.batch_size,

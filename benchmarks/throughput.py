@@ -66,6 +66,7 @@ def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict
         "attention_backend",
         "quantization",
         "kv_cache_dtype",
+        "model_impl",
     ):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
@@ -200,6 +201,11 @@ def main() -> None:
     parser.add_argument("--attention-backend")
     parser.add_argument("--kv-cache-dtype", help="auto (default), fp8, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--model-impl",
+        choices=("auto", "pagedserve", "vllm", "transformers"),
+        help="auto (default: native when we have the architecture), pagedserve or transformers",
+    )
     add_quantization_args(parser)
     parser.add_argument(
         "--hf-sequential",
@@ -263,6 +269,7 @@ def main() -> None:
                 "dtype": args.dtype,
                 "quantization": quantization_config(args) or args.quantization,
                 "kv_cache_dtype": args.kv_cache_dtype or "auto",
+                "model_impl": args.model_impl or "auto",
                 "results": {
                     k: {**v, "output_tok_s": v["output_tokens"] / v["seconds"]}
                     for k, v in results.items()

@@ -21,6 +21,9 @@ from pagedserve.quant_config import QUANTIZATION_METHODS
 DEFAULT_MODEL = str(files("pagedserve.assets") / "stories260k")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# vLLM's `--model-impl` values; "pagedserve" is our native code (vLLM calls its own "vllm",
+# accepted here as the same).
+MODEL_IMPLS = ("auto", "pagedserve", "vllm", "transformers")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # vLLM's `--kv-cache-dtype` values that we support: "fp8" and "fp8_e4m3" are e4m3 (float8_e4m3fn).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -111,6 +114,14 @@ class ModelConfig:
     load_format: str = option(
         "auto", help="auto/safetensors (read weights) or dummy (random weights)"
     )
+    model_impl: str = option(
+        "auto",
+        help="which code runs the model: pagedserve (our native model of the architecture; "
+        "vllm is the same), transformers (transformers' own modeling code of any "
+        "AutoModelForCausalLM architecture, on our paged attention), or auto (native when we "
+        "have it, else transformers)",
+        cli={"choices": MODEL_IMPLS},
+    )
     quantization: str | None = option(
         help="weight quantization: gptq, awq, fp8 or compressed-tensors as the checkpoint "
         "stores it; fp8 on an unquantized checkpoint quantizes its weights at load (online FP8)",
@@ -167,6 +178,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}"

@@ -33,6 +33,7 @@ from pagedserve.engine.model_files import (
     read_generation_config,
 )
 from pagedserve.errors import UnsupportedModelError
+from pagedserve.models.registry import check_model_impl
 from pagedserve.quant_config import resolve_quantization
 
 # Who builds the engine (vLLM's UsageContext): the offline `LLM` class gets a larger default
@@ -111,6 +112,7 @@ class EngineArgs:
     max_model_len: int | None = _FROM_CONFIG
     max_logprobs: int = _FROM_CONFIG
     load_format: str = _FROM_CONFIG
+    model_impl: str = _FROM_CONFIG
     quantization: str | None = _FROM_CONFIG
     revision: str | None = _FROM_CONFIG
     tokenizer_revision: str | None = _FROM_CONFIG
@@ -156,6 +158,8 @@ class EngineArgs:
         of USAGE_CONTEXTS) picks the default step token budget as vLLM does.
 
         Raises UnsupportedModelError (a ValueError) when the folder or its config is missing,
+        or when no backend of `model_impl` runs its architecture (`registry.check_model_impl`,
+        which also refuses tensor parallelism and quantization with the transformers backend),
         and ValueError when an option has the wrong type or is out of range (naming the option
         and the limit; the configs' `__post_init__` check the ranges). The options that need
         no model are checked before the model's config is read. The quantization method is
@@ -222,13 +226,15 @@ class EngineArgs:
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = get_model_max_len(hf_config)
+        quantization = resolve_quantization(self.quantization, hf_config)
+        check_model_impl(hf_config, self.model_impl, self.tensor_parallel_size, quantization)
         config: ModelConfig = self._build(
             ModelConfig,
             model=model,
             tokenizer=tokenizer,
             tokenizer_revision=tokenizer_revision,
             max_model_len=max_model_len,
-            quantization=resolve_quantization(self.quantization, hf_config),
+            quantization=quantization,
             hf_config=hf_config,
             eos_token_ids=read_eos_token_ids(model, hf_config, generation_config),
             model_name=self.model,

@@ -32,6 +32,7 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     quantization: str | None = None,
+    model_impl: str = "auto",
 ) -> nn.Module:
     """Build the model class named by `hf_config.architectures` on `device` in `dtype`, load
     its weights, and return it in eval mode with gradients off.
@@ -47,10 +48,13 @@ def load_model(
     Raises UnsupportedModelError for an unknown architecture, a folder without safetensors
     weights, or a checkpoint that leaves parameters unloaded; NotImplementedError for a
     quantized checkpoint of an architecture that does not support quantization.
+    `model_impl` picks native code or the transformers backend (`registry.resolve_model_impl`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    model_cls = get_model_class(list(getattr(hf_config, "architectures", None) or []))
+    model_cls = get_model_class(
+        list(getattr(hf_config, "architectures", None) or []), model_impl, hf_config
+    )
     quant_config = None
     if quantization is not None:
         if not getattr(model_cls, "supports_quantization", False):

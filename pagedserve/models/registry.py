@@ -1,4 +1,5 @@
-"""Maps the `architectures` names of HF configs to our model classes.
+"""Maps the `architectures` names of HF configs to our model classes, and picks the code that
+runs a model (`--model-impl`: our native class, or the transformers backend).
 
 Imports no torch and no model module: the API server's process checks a model's architecture
 (`SUPPORTED_ARCHITECTURES`) without loading model code; `get_model_class` imports the one
@@ -7,8 +8,9 @@ module it returns a class of (vLLM's registry is lazy the same way).
 
 import importlib
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from pagedserve.config import MODEL_IMPLS
 from pagedserve.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -27,18 +29,70 @@ _MODELS: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
 
 
-def get_model_class(architectures: list[str]) -> "type[nn.Module]":
-    """The class of the first supported name in an HF config's `architectures` list.
+def resolve_model_impl(architectures: list[str], model_impl: str, hf_config: Any) -> str:
+    """The code that runs a model: "pagedserve" (our native class) or "transformers" (the
+    transformers backend), for `model_impl` "auto" (native when the registry has one of
+    `architectures`, else transformers), "pagedserve" / "vllm" (native only) or "transformers".
+
+    Raises UnsupportedModelError listing what is supported: for "pagedserve" on an
+    architecture we have no native code for, and when neither backend can run the model (not
+    an architecture that transformers' AutoModelForCausalLM builds, e.g. an encoder).
+    """
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+    native = any(architecture in _MODELS for architecture in architectures)
+    if model_impl in ("pagedserve", "vllm"):
+        if not native:
+            raise UnsupportedModelError(
+                f"model architectures {architectures} have no native pagedserve implementation "
+                f"(model_impl={model_impl!r}); native architectures: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}; model_impl 'transformers' or 'auto' "
+                f"runs the model through transformers' modeling code instead"
+            )
+        return "pagedserve"
+    if model_impl == "auto" and native:
+        return "pagedserve"
+    from pagedserve.models.transformers_backend.support import check_transformers_can_run
+
+    check_transformers_can_run(architectures, hf_config, SUPPORTED_ARCHITECTURES)
+    return "transformers"
+
+
+def check_model_impl(
+    hf_config: Any, model_impl: str, tensor_parallel_size: int = 1, quantization: str | None = None
+) -> str:
+    """`resolve_model_impl` for a config, checked against the engine options before any worker
+    starts: the transformers backend runs on one rank and unquantized weights only.
+
+    Returns "pagedserve" or "transformers". Raises UnsupportedModelError as
+    `resolve_model_impl`, ValueError for tensor_parallel_size > 1 or a quantization method
+    with the transformers backend (each naming the option and the way out).
+    """
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    impl = resolve_model_impl(architectures, model_impl, hf_config)
+    if impl == "transformers":
+        from pagedserve.models.transformers_backend.support import check_transformers_options
+
+        check_transformers_options(architectures, model_impl, tensor_parallel_size, quantization)
+    return impl
+
+
+def get_model_class(
+    architectures: list[str], model_impl: str = "auto", hf_config: Any = None
+) -> "type[nn.Module]":
+    """The class that runs a model: the native class of the first supported name in an HF
+    config's `architectures` list, or `TransformersForCausalLM` (see `resolve_model_impl`).
 
     Raises UnsupportedModelError listing the supported architectures when none matches.
     """
+    if resolve_model_impl(architectures, model_impl, hf_config) == "transformers":
+        from pagedserve.models.transformers_backend.model import TransformersForCausalLM
+
+        return TransformersForCausalLM
     for architecture in architectures:
         if architecture in _MODELS:
             module_name, class_name = _MODELS[architecture]
             module = importlib.import_module(f"pagedserve.models.{module_name}")
             model_class: type[nn.Module] = getattr(module, class_name)
             return model_class
-    raise UnsupportedModelError(
-        f"model architectures {architectures} are not supported; supported architectures: "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+    raise AssertionError("resolve_model_impl returned pagedserve for no native architecture")

@@ -76,6 +76,7 @@ def load_model(runner: ModelRunner) -> None:
         runner.device,
         model_config.load_format,
         model_config.quantization,
+        model_config.model_impl,
     )
     runner.attention_layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
     for layer in runner.attention_layers:
@@ -176,9 +177,28 @@ def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
             runner.block_size,
             runner.device,
         )
-        runner.cuda_graphs.capture()
+        _capture(runner, runner.cuda_graphs)
     if runner.device.type == "cuda":
         warm_up(runner, num_blocks)
+
+
+def _capture(runner: ModelRunner, graphs: CudaGraphRunner) -> None:
+    """Capture the decode graphs. A model that only tries (`cuda_graphs_best_effort`: the
+    transformers backend, whose forward is transformers' code) runs eager when its forward
+    cannot be captured, with one log line saying why."""
+    if not getattr(runner.model, "cuda_graphs_best_effort", False):
+        graphs.capture()
+        return
+    try:
+        graphs.capture()
+    except RuntimeError as e:
+        torch.cuda.synchronize(runner.device)
+        runner.cuda_graphs = None
+        logger.warning(
+            "%s: CUDA graph capture failed, running eager: %s",
+            type(runner.model).__name__,
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+        )
 
 
 def warm_up(runner: ModelRunner, num_blocks: int) -> None:
