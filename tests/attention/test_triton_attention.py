@@ -2,9 +2,11 @@
 
 GPU tests draw fresh random inputs per case, poison the output (NaN) and the unused cache
 slots, and compare with `TorchAttentionBackend` run in float64. The planner tests need Triton
-but no GPU. The fp8 KV cache tests also run on the CPU under Triton's interpreter
-(`TRITON_INTERPRET=1 pytest tests/attention/test_triton_attention.py -k fp8`; small shapes,
-no bf16 dots there), and on the GPU as `gpu` tests.
+but no GPU. The fp8 KV cache tests and the small sliding-window / soft-cap tests also run on
+the CPU under Triton's interpreter (`TRITON_INTERPRET=1 pytest
+tests/attention/test_triton_attention.py -k "fp8 or sliding or alternates"`; small shapes, no
+bf16 dots there), and on the GPU as `gpu` tests. Sliding-window tests fill the blocks wholly
+before each request's window with NaN: the KV manager frees those, and they must not be read.
 """
 
 import itertools

@@ -3,22 +3,22 @@ scheduling off) give the CPU torch backend's greedy tokens, while the KV manager
 blocks that leave the window (Mistral) or keeps them all (Qwen2 with a window on some layers).
 The CPU run itself equals transformers (tests/entrypoints/test_llm_greedy.py)."""
 
-import os
 import random
 from pathlib import Path
 
 import pytest
 
+import pagedserve.assets
 from pagedserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-_HERE = Path(__file__).resolve()
-MODELS = Path(os.environ.get("PAGEDSERVE_TEST_MODELS", _HERE.parents[3] / "shared" / "models"))
+# The bundled model's tokenizer (in the repository, so the GPU machine has it too).
+STORIES = Path(pagedserve.assets.__file__).parent / "stories260k"
 
 
 def save_tiny_model(path: Path, kind: str, window: int) -> Path:
-    """A 2-layer random model with peaked logits, and stories260k's tokenizer."""
+    """A 2-layer random model with peaked logits, and the bundled stories260k's tokenizer."""
     import torch
     import transformers
 
@@ -33,11 +33,8 @@ def save_tiny_model(path: Path, kind: str, window: int) -> Path:
         config = transformers.Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    stories = MODELS / "stories260k"
-    if not stories.is_dir():
-        pytest.skip(f"{stories} not found; set PAGEDSERVE_TEST_MODELS")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (path / name).write_bytes((stories / name).read_bytes())
+        (path / name).write_bytes((STORIES / name).read_bytes())
     return path
 
 
