@@ -1,7 +1,7 @@
 """Times the Triton attention kernels on a GPU: decode (achieved HBM bandwidth) and prefill.
 
     PYTHONPATH=. python3 benchmarks/attention_kernels.py [--model llama3-8b] [--sweep decode]
-        [--quick] [--kv-cache-dtype fp8]
+        [--quick] [--kv-cache-dtype fp8] [--sliding-window 4096] [--logits-soft-cap 50]
 
 Each kernel is captured in a CUDA graph and replayed (triton.testing.do_bench_cudagraph,
 median), so the numbers are GPU time without Python launch overhead. Decode bandwidth counts
@@ -12,6 +12,9 @@ split counts (the data behind the defaults in triton_backend.py); `batched` on t
 a batched-throughput step (256 decodes at ~600 keys; 16 prompts of 512 tokens).
 `--kv-cache-dtype fp8` (or fp8_e5m2) runs the same rows over an fp8 cache with per-tensor
 scales (queries stay bf16; bandwidth counts the fp8 bytes), to compare with the bf16 cache.
+`--sliding-window W` runs every row with a window (bandwidth and flops count the keys inside
+it) and adds `decode_long` rows at 64k-token contexts, whose time should match the rows at
+context W (the kernels skip keys before the window); `--logits-soft-cap C` adds the soft cap.
 """
 
 import argparse
@@ -44,6 +47,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = MODELS["llama3-8b"]  # set by --model
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 KV_DTYPE = DTYPE  # the cache's: set by --kv-cache-dtype
+SLIDING_WINDOW: int | None = None  # set by --sliding-window
+SOFT_CAP: float | None = None  # set by --logits-soft-cap
 DEVICE = "cuda"
 
 
@@ -109,8 +114,9 @@ def time_attention(
     def run() -> None:
         for out, query, md, plan in calls:
             paged_attention(
-                out, query, cache.kv_cache, md, scale, plan, cache.k_scale, cache.v_scale
-            )
+                out, query, cache.kv_cache, md, scale, plan, cache.k_scale, cache.v_scale,
+                SLIDING_WINDOW, SOFT_CAP,
+            )  # fmt: skip
 
     run()
     torch.cuda.synchronize()
@@ -120,8 +126,9 @@ def time_attention(
 
 def default_plan(md: AttentionMetadata, num_splits: int | None = None) -> AttentionPlan:
     return plan_attention(
-        md, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE, torch.device(DEVICE), num_splits
-    )
+        md, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE, torch.device(DEVICE), num_splits,
+        SLIDING_WINDOW,
+    )  # fmt: skip
 
 
 def _only(md: AttentionMetadata, launch: str) -> AttentionPlan:
@@ -132,12 +139,20 @@ def _only(md: AttentionMetadata, launch: str) -> AttentionPlan:
 
 
 def kv_bytes(seq_lens: list[int]) -> int:
-    return sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 * KV_DTYPE.itemsize
+    """K and V bytes a decode of each sequence reads (its last window's with a window)."""
+    keys = sum(s if SLIDING_WINDOW is None else min(s, SLIDING_WINDOW) for s in seq_lens)
+    return keys * NUM_KV_HEADS * HEAD_DIM * 2 * KV_DTYPE.itemsize
 
 
 def causal_flops(query_lens: list[int], seq_lens: list[int]) -> float:
-    """2 matmuls x 2 flops per multiply-add over the visible (query, key) pairs."""
-    pairs = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(query_lens, seq_lens, strict=True))
+    """2 matmuls x 2 flops per multiply-add over the visible (query, key) pairs: a query at
+    position p sees p + 1 keys, at most the window."""
+    window = SLIDING_WINDOW or max(seq_lens)
+    pairs = sum(
+        min(p + 1, window)
+        for q, s in zip(query_lens, seq_lens, strict=True)
+        for p in range(s - q, s)
+    )
     return 4 * NUM_HEADS * HEAD_DIM * pairs
 
 
@@ -158,6 +173,15 @@ def bench_decode(cache: Cache, copy_bw: float, rows: list[dict[str, Any]], quick
             ms=round(ms, 4), ms_no_split=round(ms_no_split, 4), tb_per_s=round(bw / 1e12, 3),
             frac_copy_bw=round(bw / copy_bw, 3),
         ))  # fmt: skip
+    if SLIDING_WINDOW is not None:  # O(window), not O(context): compare with context W above
+        for batch in [1, 16]:
+            query_lens, seq_lens = [1] * batch, [65536] * batch
+            ms = time_attention(cache, query_lens, seq_lens, default_plan)
+            num_splits = default_plan(cache.metadata(query_lens, seq_lens)).num_splits
+            rows.append(dict(
+                kind="decode_long", batch=batch, context=65536, num_splits=num_splits,
+                ms=round(ms, 4), tb_per_s=round(kv_bytes(seq_lens) / (ms * 1e-3) / 1e12, 3),
+            ))  # fmt: skip
 
 
 def bench_prefill(cache: Cache, rows: list[dict[str, Any]], quick: bool) -> None:
@@ -204,7 +228,10 @@ def _rel_error_vs_default(cache: Cache, query_lens: list[int], seq_lens: list[in
     query = torch.randn(md.num_tokens, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     outs = [torch.full_like(query, float("nan")) for _ in range(2)]
     for out, plan in zip(outs, [default_plan(md), plan_for(md)], strict=True):
-        paged_attention(out, query, cache.kv_cache, md, 1 / math.sqrt(HEAD_DIM), plan)
+        paged_attention(
+            out, query, cache.kv_cache, md, 1 / math.sqrt(HEAD_DIM), plan,
+            sliding_window=SLIDING_WINDOW, logits_soft_cap=SOFT_CAP,
+        )  # fmt: skip
     return float((outs[1].float() - outs[0].float()).norm() / outs[0].float().norm())
 
 
@@ -322,10 +349,19 @@ def main() -> None:
         "--kv-cache-dtype", choices=["auto", *FP8_KV_CACHE_DTYPES], default="auto",
         help="auto: the cache in bf16, as the queries; fp8/fp8_e4m3/fp8_e5m2: an fp8 cache",
     )  # fmt: skip
+    parser.add_argument(
+        "--sliding-window", type=int, default=None, metavar="W",
+        help="every row with a sliding window of W keys (Mistral 7B v0.1: 4096)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--logits-soft-cap", type=float, default=None, metavar="C",
+        help="every row with scores capped to C * tanh(s / C) (Gemma 2: 50)",
+    )  # fmt: skip
     args = parser.parse_args()
-    global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_DTYPE
+    global NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_DTYPE, SLIDING_WINDOW, SOFT_CAP
     NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = MODELS[args.model]
     KV_DTYPE = FP8_KV_CACHE_DTYPES.get(args.kv_cache_dtype, DTYPE)
+    SLIDING_WINDOW, SOFT_CAP = args.sliding_window, args.logits_soft_cap
 
     torch.manual_seed(0)
     header = dict(
@@ -333,6 +369,7 @@ def main() -> None:
         torch=torch.__version__, triton=triton.__version__, dtype=str(DTYPE),
         kv_cache_dtype=str(KV_DTYPE), num_heads=NUM_HEADS,
         num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
+        sliding_window=SLIDING_WINDOW, logits_soft_cap=SOFT_CAP,
     )  # fmt: skip
     copy_bw = copy_bandwidth()
     print(json.dumps(dict(kind="copy", tb_per_s=round(copy_bw / 1e12, 3), **header)), flush=True)

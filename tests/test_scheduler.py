@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.config import SchedulerConfig
-from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.kv_cache.manager import KVCacheManager, max_blocks_held
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
@@ -20,11 +20,13 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 256,
     caching: bool = True,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True
     )
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, caching), max_model_len)
+    kv_cache = KVCacheManager(num_blocks, block_size, caching, sliding_window)
+    return Scheduler(config, kv_cache, max_model_len)
 
 
 def make_request(
@@ -160,12 +162,27 @@ def test_prefix_hit_in_the_same_step() -> None:
 
 class FakeModel:
     """Samples random tokens, and records which token each request was fed at each position
-    (a placeholder resolved to what the previous step sampled for it, as the worker does)."""
+    (a placeholder resolved to what the previous step sampled for it, as the worker does).
 
-    def __init__(self, rng: random.Random) -> None:
+    It also plays the KV cache through the block tables the workers keep (new tables for new
+    requests, `new_block_ids` appended; freed entries are never updated): each step writes,
+    at each new token's slot, the token prefix it stands for (what its K/V depend on), then
+    checks that every key each new token attends to (the `sliding_window` before it, or all)
+    holds that request's own prefix: a block freed, reused or hit wrongly shows up here."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        scheduler: Scheduler | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
         self.rng = rng
         self.last_sampled: dict[str, int] = {}
         self.fed: dict[str, dict[int, int]] = {}
+        self.scheduler = scheduler
+        self.sliding_window = sliding_window
+        self.tables: dict[str, list[int]] = {}
+        self.slots: dict[int, tuple[int, ...]] = {}
 
     def run(self, out: SchedulerOutput, low: int = 0) -> ModelRunnerOutput:
         for r in out.scheduled_requests:
@@ -175,10 +192,40 @@ class FakeModel:
                     assert i == r.num_new_tokens - 1, "only the newest token can be in flight"
                     token = self.last_sampled[r.request_id]
                 fed[r.num_computed_tokens + i] = token
+        if self.scheduler is not None:
+            self._play_kv_cache(out)
         sampled = [r.request_id for r in out.scheduled_requests if r.sample]
         tokens = [self.rng.randrange(low, 100) for _ in sampled]
         self.last_sampled = dict(zip(sampled, tokens, strict=True))
         return ModelRunnerOutput(sampled, tokens, [None] * len(sampled))
+
+    def _play_kv_cache(self, out: SchedulerOutput) -> None:
+        assert self.scheduler is not None
+        block_size = self.scheduler.kv_cache.block_size
+        for request_id in out.finished_request_ids:
+            self.tables.pop(request_id, None)
+        for new in out.new_requests:
+            self.tables[new.request_id] = []
+        prefixes = {}
+        for r in out.scheduled_requests:
+            self.tables[r.request_id].extend(r.new_block_ids)
+            tokens = list(self.scheduler.requests[r.request_id].all_token_ids)
+            tokens += [self.fed[r.request_id][len(tokens)]] if r.token_ids[-1] < 0 else []
+            prefixes[r.request_id] = tokens
+            for position in range(r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens):
+                self.slots[self._slot(r.request_id, position, block_size)] = tuple(
+                    tokens[: position + 1]
+                )
+        for r in out.scheduled_requests:  # every write of the step comes before any read
+            tokens = prefixes[r.request_id]
+            for query in range(r.num_computed_tokens, r.num_computed_tokens + r.num_new_tokens):
+                first = 0 if self.sliding_window is None else query - self.sliding_window + 1
+                for key in range(max(first, 0), query + 1):
+                    slot = self._slot(r.request_id, key, block_size)
+                    assert self.slots.get(slot) == tuple(tokens[: key + 1]), (r.request_id, key)
+
+    def _slot(self, request_id: str, position: int, block_size: int) -> int:
+        return self.tables[request_id][position // block_size] * block_size + position % block_size
 
 
 @settings(max_examples=80, deadline=None)
@@ -190,6 +237,7 @@ class FakeModel:
     max_num_seqs=st.integers(1, 6),
     caching=st.booleans(),
     pipelined=st.booleans(),
+    sliding_window=st.sampled_from([None, None, 1, 3, 8]),
 )
 def test_random_operations_keep_invariants(
     seed: int,
@@ -199,15 +247,22 @@ def test_random_operations_keep_invariants(
     max_num_seqs: int,
     caching: bool,
     pipelined: bool,
+    sliding_window: int | None,
 ) -> None:
     """Random add / step / abort sequences: invariants hold after every operation, every
     request ends, and at the end every block is free. `pipelined` runs the steps as async
     scheduling does (schedule step N+1 before applying step N's tokens, as EngineCore.step);
-    every request must still have been fed exactly its own tokens at every position."""
+    every request must still have been fed exactly its own tokens at every position, and
+    every key a new token attends to must hold its request's K/V (FakeModel's KV play). With
+    a `sliding_window`, blocks out of the window are freed as requests advance: a request
+    then never holds more than `max_blocks_held` blocks, and generations run longer."""
     rng = random.Random(seed)
     max_model_len = num_blocks * block_size
-    scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, budget, max_model_len, caching)
-    model = FakeModel(rng)
+    scheduler = make_scheduler(
+        num_blocks, block_size, max_num_seqs, budget, max_model_len, caching, sliding_window
+    )
+    kv_cache = scheduler.kv_cache
+    model = FakeModel(rng, scheduler, sliding_window)
     in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
 
     def step(low: int = 0) -> None:
@@ -233,8 +288,10 @@ def test_random_operations_keep_invariants(
         choice = rng.random()
         if choice < 0.3:
             prompt = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(4))]
-            max_tokens = rng.randrange(1, 8)
-            if len(prompt) + max_tokens <= max_model_len:
+            max_tokens = rng.randrange(1, 8 if sliding_window is None else 40)
+            num_tokens = len(prompt) + max_tokens
+            fits = max_blocks_held(num_tokens, block_size, sliding_window, budget)
+            if num_tokens <= max_model_len and fits <= kv_cache.block_pool.num_usable_blocks:
                 params = SamplingParams(max_tokens=max_tokens, eos_token_ids=(0,))
                 group = rng.choice([None, "g1", "g2"])  # siblings share with caching off too
                 # Some repeat an earlier one's prompt in its group (parallel sampling's siblings).
@@ -242,6 +299,13 @@ def test_random_operations_keep_invariants(
                 if leader is not None:
                     prompt, group = list(leader.prompt_token_ids), leader.sharing_group
                     if len(prompt) + max_tokens > max_model_len:
+                        continue
+                    if (
+                        max_blocks_held(
+                            len(prompt) + max_tokens, block_size, sliding_window, budget
+                        )
+                        > kv_cache.block_pool.num_usable_blocks
+                    ):
                         continue
                 request = Request(f"r{op}", prompt, params, sharing_group=group)
                 scheduler.add_request(request)
@@ -252,13 +316,20 @@ def test_random_operations_keep_invariants(
             step()
         scheduler.kv_cache.check_invariants()
         assert len(scheduler.running) <= max_num_seqs
+        for request in scheduler.running:
+            real = [b for b in kv_cache.req_to_blocks.get(request.request_id, [])]
+            num_held = sum(b is not kv_cache.block_pool.null_block for b in real)
+            assert num_held <= max_blocks_held(
+                request.num_tokens + 1, block_size, sliding_window, budget
+            )
     for _ in range(2000):
         if not scheduler.has_unfinished_requests() and not in_flight:
             break
         step(low=1)
         scheduler.kv_cache.check_invariants()
     assert not scheduler.has_unfinished_requests() and not in_flight
-    assert scheduler.kv_cache.num_free_blocks == num_blocks
+    assert kv_cache.num_free_blocks == kv_cache.block_pool.num_usable_blocks
+    assert kv_cache.num_free_blocks == num_blocks - (sliding_window is not None)
     for request in requests:
         assert request.is_finished
         assert request.num_output_placeholders == 0

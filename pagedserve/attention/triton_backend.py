@@ -95,11 +95,12 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
+def choose_num_splits(num_programs: int, max_keys: int, num_sms: int) -> int:
     """Splits per (request, kv head) so that a decode launch of `num_programs` programs fills
-    the GPU in one wave: none when it already has enough programs or the sequences are short."""
+    the GPU in one wave: none when it already has enough programs or the key ranges are short.
+    `max_keys`: the most keys one program reads (the longest sequence, or the window)."""
     wanted = _SPLIT_PROGRAMS_PER_SM * num_sms // max(num_programs, 1)
-    most = max_seq_len // _MIN_KEYS_PER_SPLIT
+    most = max_keys // _MIN_KEYS_PER_SPLIT
     return max(min(wanted, most, _MAX_SPLITS), 1)
 
 
@@ -111,8 +112,11 @@ def plan_attention(
     dtype: torch.dtype,
     device: torch.device,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> AttentionPlan:
     """Choose the launches of a step. `num_splits` forces the split count (None: heuristic).
+    With a `sliding_window`, a decode program reads at most the window's keys (plus the
+    rest of its q block), so the split heuristic counts those, not `max_seq_len`.
 
     A batch with no query longer than one decode q block (decode-only, e.g. a CUDA graph's
     padded batch whose padding has query_len 0) always gets exactly the decode launch, so a
@@ -130,9 +134,10 @@ def plan_attention(
         return AttentionPlan(None, prefill_tile_config(group, head_dim, dtype), 0, 1)
     if num_splits is None:
         num_sms = _num_sms(device)
-        num_splits = choose_num_splits(
-            num_decode_reqs * num_kv_heads, attn_metadata.max_seq_len, num_sms
-        )
+        max_keys = attn_metadata.max_seq_len
+        if sliding_window is not None:
+            max_keys = min(max_keys, sliding_window + decode_max_query_len - 1)
+        num_splits = choose_num_splits(num_decode_reqs * num_kv_heads, max_keys, num_sms)
     if num_splits == 1:
         decode = decode_tile_config(group, head_dim, dtype, split=False)
     prefill = prefill_tile_config(group, head_dim, dtype) if has_prefill else None
@@ -178,10 +183,16 @@ def paged_attention(
     plan: AttentionPlan,
     k_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
     v_scale: torch.Tensor | None = None,  # [1] float32, fp8 caches only; None = 1.0
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Attend every new token over its request's cached K/V (already holding this step's).
     Tokens past query_start_loc[-1] (a padded batch's padding) are left unwritten. An fp8
-    cache is read as k_fp8 * k_scale and v_fp8 * v_scale (the scales applied in the kernel)."""
+    cache is read as k_fp8 * k_scale and v_fp8 * v_scale (the scales applied in the kernel).
+    `sliding_window` W: a token at position p sees keys p - W + 1 .. p, and block-table
+    entries of keys before the window of a request's first new token are never read (the KV
+    manager may have freed them). `logits_soft_cap` c: scores become c * tanh(score / c).
+    Each is a compile-time constant of the kernels (None compiles them out)."""
     md = attn_metadata
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -205,6 +216,8 @@ def paged_attention(
         NUM_QUERIES_PER_KV=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=kv_cache.shape[2],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING_WINDOW=sliding_window or 0,
+        SOFT_CAP=logits_soft_cap * _LOG2E if logits_soft_cap else 0.0,
     )  # fmt: skip
     if plan.decode is not None:
         tile = plan.decode
@@ -245,7 +258,8 @@ def paged_attention(
 
 class TritonAttentionBackend:
     """Stores new K/V with `store_kv_kernel`, then runs `paged_attention_kernel` (one launch
-    for decodes, one for longer queries; split-KV for decode launches too small to fill the GPU).
+    for decodes, one for longer queries; split-KV for decode launches too small to fill the GPU),
+    with the layer's sliding window and logit soft cap (see `paged_attention`).
 
     The plan is computed once per step: every layer gets the same AttentionMetadata object.
     No device->host sync happens, so decode-only steps can be captured in a CUDA graph.
@@ -255,7 +269,8 @@ class TritonAttentionBackend:
 
     def __init__(self, num_splits: int | None = None) -> None:
         self.num_splits = num_splits  # None: heuristic; tests force the split-KV path
-        self._planned: tuple[AttentionMetadata, tuple[object, ...], AttentionPlan] | None = None
+        self._planned_md: AttentionMetadata | None = None  # the plans' step
+        self._plans: dict[tuple[object, ...], AttentionPlan] = {}
 
     def forward(
         self,
@@ -271,28 +286,32 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        if sliding_window is not None or logits_soft_cap is not None:
-            raise ValueError(
-                "the Triton attention backend has no sliding window or logit soft cap yet; "
-                "use --attention-backend torch"
-            )
         store_kv(key, value, kv_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        plan = self._plan(query, key, attn_metadata)
-        paged_attention(out, query, kv_cache, attn_metadata, scale, plan, k_scale, v_scale)
+        plan = self._plan(query, key, attn_metadata, sliding_window)
+        paged_attention(
+            out, query, kv_cache, attn_metadata, scale, plan, k_scale, v_scale,
+            sliding_window, logits_soft_cap,
+        )  # fmt: skip
         return out
 
     def _plan(
-        self, query: torch.Tensor, key: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        sliding_window: int | None,
     ) -> AttentionPlan:
-        shape_key = (query.shape[1], key.shape[1], query.shape[2], query.dtype)
-        if self._planned is not None:
-            planned_md, planned_key, plan = self._planned
-            if planned_md is attn_metadata and planned_key == shape_key:
-                return plan
-        plan = plan_attention(
-            attn_metadata, query.shape[1], key.shape[1], query.shape[2], query.dtype,
-            query.device, self.num_splits,
-        )  # fmt: skip
-        self._planned = (attn_metadata, shape_key, plan)
+        """The step's plan for this layer's shapes and window, made once per metadata object
+        and kept per (shapes, window): local and global layers alternate in Gemma."""
+        shape_key = (query.shape[1], key.shape[1], query.shape[2], query.dtype, sliding_window)
+        if self._planned_md is not attn_metadata:
+            self._planned_md, self._plans = attn_metadata, {}
+        plan = self._plans.get(shape_key)
+        if plan is None:
+            plan = plan_attention(
+                attn_metadata, query.shape[1], key.shape[1], query.shape[2], query.dtype,
+                query.device, self.num_splits, sliding_window,
+            )  # fmt: skip
+            self._plans[shape_key] = plan
         return plan

@@ -167,6 +167,8 @@ class AsyncLLMEngine:
             self.core.num_blocks,
             self.config.cache_config.block_size,
             core_request_id=f"{request_id}@{next(self._core_ids)}",
+            sliding_window=self.core.sliding_window,
+            max_step_tokens=self.config.scheduler_config.max_num_batched_tokens,
         )
         try:
             self.core.send_add(children)

@@ -9,7 +9,7 @@ import logging
 
 from pagedserve.config import EngineConfig
 from pagedserve.executor.factory import create_executor
-from pagedserve.kv_cache.manager import KVCacheManager, cdiv, check_fits_cache
+from pagedserve.kv_cache.manager import KVCacheManager, check_fits_cache, max_blocks_held
 from pagedserve.messages import EngineCoreOutput, SchedulerStats
 from pagedserve.request import Request, RequestStatus
 from pagedserve.scheduler import Scheduler
@@ -27,11 +27,18 @@ class EngineCore:
         block_size = config.cache_config.block_size
         max_model_len = config.model_config.max_model_len
         num_blocks = self.executor.determine_num_blocks()
-        blocks_per_max_request = cdiv(max_model_len, block_size)
-        if num_blocks < blocks_per_max_request:
+        # The window every attention layer uses (None: some layer sees every key). With one,
+        # a request holds only the blocks of its window and step, and block 0 is the null block.
+        self.sliding_window = self.executor.kv_sliding_window()
+        max_step_tokens = config.scheduler_config.max_num_batched_tokens
+        blocks_per_max_request = max_blocks_held(
+            max_model_len, block_size, self.sliding_window, max_step_tokens
+        )
+        num_usable_blocks = num_blocks - (self.sliding_window is not None)
+        if num_usable_blocks < blocks_per_max_request:
             raise ValueError(
-                f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but "
-                f"one request of max_model_len ({max_model_len}) tokens needs "
+                f"the KV cache holds {num_usable_blocks} blocks ({num_usable_blocks * block_size} "
+                f"tokens) but one request of max_model_len ({max_model_len}) tokens needs "
                 f"{blocks_per_max_request}; give more memory (kv_cache_memory_bytes, "
                 f"gpu_memory_utilization) or lower max_model_len"
             )
@@ -39,16 +46,20 @@ class EngineCore:
         self.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency for "
-            "%d-token requests: %.2fx",
+            "%d-token requests: %.2fx%s",
             num_blocks,
             block_size,
             num_blocks * block_size,
             num_blocks * self.executor.block_bytes / 2**20,
             max_model_len,
-            num_blocks / blocks_per_max_request,
+            num_usable_blocks / blocks_per_max_request,
+            "" if self.sliding_window is None else f" (sliding window {self.sliding_window})",
         )
         self.kv_cache = KVCacheManager(
-            num_blocks, block_size, config.cache_config.enable_prefix_caching
+            num_blocks,
+            block_size,
+            config.cache_config.enable_prefix_caching,
+            sliding_window=self.sliding_window,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, max_model_len)
         async_scheduling = config.scheduler_config.async_scheduling
@@ -72,6 +83,8 @@ class EngineCore:
             request.max_tokens,
             self.num_blocks,
             self.config.cache_config.block_size,
+            self.sliding_window,
+            self.config.scheduler_config.max_num_batched_tokens,
         )
         self.scheduler.add_request(request)
 

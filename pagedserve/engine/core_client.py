@@ -81,7 +81,9 @@ class EngineCoreClient:
             self.process.start()
         ready_writer.close()
         try:
-            self.num_blocks = self._wait_ready(ready_reader)
+            # The KV cache's size and the model's sliding window (None: none for every
+            # layer), for checking that a request fits before sending it.
+            self.num_blocks, self.sliding_window = self._wait_ready(ready_reader)
         except BaseException:
             self.shutdown()
             raise
@@ -89,7 +91,7 @@ class EngineCoreClient:
             ready_reader.close()
         self._input.connect(input_address)
 
-    def _wait_ready(self, ready_reader: Any) -> int:
+    def _wait_ready(self, ready_reader: Any) -> tuple[int, int | None]:
         start = time.monotonic()
         while not ready_reader.poll(0.1):
             if not self.process.is_alive():
@@ -110,7 +112,8 @@ class EngineCoreClient:
         logger.info(
             "engine core ready in %.1f s (pid %d)", time.monotonic() - start, self.process.pid
         )
-        return int(payload)
+        num_blocks, sliding_window = payload
+        return int(num_blocks), sliding_window
 
     @property
     def is_alive(self) -> bool:

@@ -17,7 +17,8 @@ its fields in order):
             to first scheduling], ...]
         EngineCoreError     ["error", traceback_text]   the loop failed; the process exits
 
-Startup goes over a multiprocessing pipe, once: ("ready", num_blocks), ("invalid", message)
+Startup goes over a multiprocessing pipe, once: ("ready", (num_blocks, sliding_window)),
+("invalid", message)
 for a ValueError (a bad option), ("unsupported", message) for a NotImplementedError (a
 checkpoint we cannot run) or ("error", traceback text).
 The core binds "input" and the server connects to it once the core is ready; the server binds
@@ -84,7 +85,7 @@ def run_engine_core(
         else:
             ready_pipe.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
-    ready_pipe.send(("ready", core.num_blocks))
+    ready_pipe.send(("ready", (core.num_blocks, core.sliding_window)))
     ready_pipe.close()
     loop.run()
 

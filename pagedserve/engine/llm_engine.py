@@ -136,6 +136,8 @@ def register_request(
     block_size: int,
     arrival_time: float | None = None,
     core_request_id: str | None = None,
+    sliding_window: int | None = None,
+    max_step_tokens: int | None = None,
 ) -> tuple[ProcessedPrompt, list[Request]]:
     """The caller's side of adding a request, shared by LLMEngine and AsyncLLMEngine:
     tokenize and validate, check that it can fit a cache of `num_blocks` blocks, make its
@@ -144,11 +146,20 @@ def register_request(
 
     `core_request_id` (default: `request_id`) names the engine-core requests; AsyncLLMEngine
     gives each request a fresh one, so that outputs of an aborted request still on their way
-    from the core process never reach a new request that reuses its id."""
+    from the core process never reach a new request that reuses its id. `sliding_window`
+    (every layer's, else None) and `max_step_tokens` (the step's token budget) bound the
+    blocks a request holds at once (`check_fits_cache`)."""
     processed = input_processor.process(prompt, params)
     max_tokens = processed.sampling_params.max_tokens
     assert max_tokens is not None  # resolved by the input processor
-    check_fits_cache(len(processed.prompt_token_ids), max_tokens, num_blocks, block_size)
+    check_fits_cache(
+        len(processed.prompt_token_ids),
+        max_tokens,
+        num_blocks,
+        block_size,
+        sliding_window,
+        max_step_tokens,
+    )
     children = child_requests(
         request_id if core_request_id is None else core_request_id,
         processed.prompt_token_ids,
@@ -220,6 +231,8 @@ class LLMEngine:
             self.engine_core.num_blocks,
             self.config.cache_config.block_size,
             arrival_time,
+            sliding_window=self.engine_core.sliding_window,
+            max_step_tokens=self.config.scheduler_config.max_num_batched_tokens,
         )
         for child in children:
             self.engine_core.add_request(child)

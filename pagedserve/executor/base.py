@@ -6,6 +6,8 @@ offers EngineCore, which never knows how many ranks there are, the same calls:
 
     determine_num_blocks()  KV blocks every rank can hold (the minimum over the ranks)
     block_bytes             bytes of one KV block on one rank
+    kv_sliding_window()     the sliding window every attention layer uses, else None (the
+                            KV cache manager then frees blocks that leave the window)
     initialize_cache(n)     allocate n blocks on every rank
     execute_model(step)     run one SchedulerOutput on every rank; rank 0's sampled tokens
     execute_model_async(step)  the same, returning before the device is done: the next step
@@ -30,6 +32,8 @@ class Executor(Protocol):
     def block_bytes(self) -> int: ...
 
     def determine_num_blocks(self) -> int: ...
+
+    def kv_sliding_window(self) -> int | None: ...
 
     def initialize_cache(self, num_blocks: int) -> None: ...
 
@@ -62,6 +66,12 @@ class RankGroupExecutor(ABC):
         """The fewest blocks any rank can hold (ranks may differ in free memory)."""
         num_blocks: list[int] = self._call("determine_num_blocks", timeout_s=STARTUP_TIMEOUT_S)
         return min(num_blocks)
+
+    def kv_sliding_window(self) -> int | None:
+        """The sliding window every attention layer uses, else None (the same on every rank:
+        rank 0's)."""
+        windows: list[int | None] = self._call("kv_sliding_window", timeout_s=self.timeout_s)
+        return windows[0]
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` KV blocks on every rank (then graphs and warm-up)."""

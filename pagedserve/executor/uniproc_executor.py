@@ -22,6 +22,9 @@ class UniprocExecutor:
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
+    def kv_sliding_window(self) -> int | None:
+        return self.worker.kv_sliding_window()
+
     @property
     def block_bytes(self) -> int:
         return self.worker.block_bytes

@@ -10,17 +10,48 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def max_blocks_held(
+    num_tokens: int,
+    block_size: int,
+    sliding_window: int | None = None,
+    max_step_tokens: int | None = None,
+) -> int:
+    """Most blocks a request of `num_tokens` tokens holds at once.
+
+    Without a window, all of them. With a sliding window W (every layer's), a step that feeds
+    n tokens from position c holds only the blocks of positions c - W + 1 .. c + n - 1 (the
+    first new token's window, then the new tokens): at most cdiv(W - 1 + n, block_size) + 1
+    blocks, the + 1 for a window that straddles block edges; n is at most `max_step_tokens`
+    (the step's token budget; None: the whole request in one step)."""
+    num_blocks = cdiv(num_tokens, block_size)
+    if sliding_window is None:
+        return num_blocks
+    step = num_tokens if max_step_tokens is None else min(max_step_tokens, num_tokens)
+    return min(num_blocks, cdiv(sliding_window - 1 + step, block_size) + 1)
+
+
 def check_fits_cache(
-    num_prompt_tokens: int, max_tokens: int, num_blocks: int, block_size: int
+    num_prompt_tokens: int,
+    max_tokens: int,
+    num_blocks: int,
+    block_size: int,
+    sliding_window: int | None = None,
+    max_step_tokens: int | None = None,
 ) -> None:
-    """Raise InvalidRequestError when a request could never fit a cache of `num_blocks` blocks.
-    Here, beside the cache, so that the API server's process checks before it sends the
-    request without importing the engine core (and its model code)."""
+    """Raise InvalidRequestError when a request could never fit a cache of `num_blocks` blocks
+    (with a sliding window, one of them is the null block and the request needs only
+    `max_blocks_held` of the rest). Here, beside the cache, so that the API server's process
+    checks before it sends the request without importing the engine core (and its model
+    code)."""
     num_tokens = num_prompt_tokens + max_tokens
-    if cdiv(num_tokens, block_size) > num_blocks:
+    usable = num_blocks - (sliding_window is not None)
+    needed = max_blocks_held(num_tokens, block_size, sliding_window, max_step_tokens)
+    if needed > usable:
+        at_once = "" if sliding_window is None else " at once"
         raise InvalidRequestError(
-            f"the request needs up to {num_tokens} tokens of KV cache but the whole cache "
-            f"holds {num_blocks * block_size}; lower max_tokens or shorten the prompt",
+            f"the request needs up to {min(num_tokens, needed * block_size)} tokens of KV "
+            f"cache{at_once} but the whole cache holds {usable * block_size}; lower max_tokens "
+            f"or shorten the prompt",
             "max_tokens",
         )
 
@@ -31,16 +62,36 @@ class KVCacheManager:
     Prefix caching: once a block is full its chained hash goes into the pool's index (at
     allocation time: the tokens are known even though their K/V are still being written by
     the step in flight, and a hit scheduled in the same step reads them after the write).
+
+    Sliding window (`sliding_window` W, set only when EVERY attention layer of the model has
+    that window; vLLM's SlidingWindowManager): a query at position p reads keys p - W + 1 .. p
+    only. When a step starts at position c (`num_computed_tokens`), the blocks wholly before
+    c - W + 1 are released to the pool (still indexed, so a later prefix hit can find them
+    while they are not reused) and their block-table entries become the pool's null block:
+    a table keeps its length, and a request holds at most `max_blocks_held` blocks. A freed
+    block may be reused while the step in flight still reads it: that step's reads come
+    before the next step's writes on the device's stream.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         # The pool always keeps an index: with prefix caching off it still serves the sibling
         # sequences of one request (n > 1), whose hashes carry their group as an extra key.
-        self.block_pool = BlockPool(num_blocks, enable_caching=True)
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching=True, use_null_block=sliding_window is not None
+        )
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already in the index
@@ -67,6 +118,8 @@ class KVCacheManager:
             return [], 0
         hashes = self._block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            return self._window_hits(hashes[:max_hit_blocks])
         hits: list[KVCacheBlock] = []
         for block_hash in hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -74,6 +127,29 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _window_hits(self, hashes: list[BlockHash]) -> tuple[list[KVCacheBlock], int]:
+        """Sliding-window hits: a prefix of k blocks is a hit when the blocks that the next
+        query (position k * block_size) reads, those from `_first_needed_block`, are all
+        cached; the earlier ones may be gone and come back as null blocks. The longest such k
+        wins (vLLM's rule, found here by one left-to-right scan)."""
+        null = self.block_pool.null_block
+        assert null is not None
+        cached = [self.block_pool.get_cached_block(h) for h in hashes]
+        best = run = 0  # run: cached blocks in a row ending at block i
+        for i, block in enumerate(cached):
+            run = run + 1 if block is not None else 0
+            if i + 1 - self._first_needed_block((i + 1) * self.block_size) <= run:
+                best = i + 1
+        first = self._first_needed_block(best * self.block_size)
+        hits = [null] * first + [block for block in cached[first:best] if block is not None]
+        assert len(hits) == best
+        return hits, best * self.block_size
+
+    def _first_needed_block(self, position: int) -> int:
+        """The first block that a query at `position` reads (its window's first key)."""
+        assert self.sliding_window is not None
+        return max(position - self.sliding_window + 1, 0) // self.block_size
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         """Count one lookup in the metrics, once the request is admitted (a request waiting
@@ -94,11 +170,15 @@ class KVCacheManager:
         |<-- num_computed_tokens -->|<- hits ->|<--- num_new_tokens --->|
         | blocks the request holds  | new_computed_blocks | new blocks  |
         ```
-        Returns the ids of the blocks appended to its block table (prefix hits first), or
-        None when the pool cannot supply them (nothing is changed then).
+        Returns the ids of the blocks appended to its block table (prefix hits first, the
+        null block's id where a sliding-window hit skips a block), or None when the pool
+        cannot supply them (nothing is changed then, but for the release of blocks that fell
+        out of the sliding window, which no later step needs).
         """
         hits = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if self.sliding_window is not None and blocks:
+            self._free_out_of_window(request)
         if not hits:  # fast path of a decode: usually no new block and nothing to cache
             num_tokens_after = request.num_computed_tokens + num_new_tokens
             if num_tokens_after <= len(blocks) * self.block_size:
@@ -112,7 +192,8 @@ class KVCacheManager:
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(num_needed - len(blocks) - len(hits), 0)
         # Hits that sit in the free queue stop being free once touched.
-        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        null = self.block_pool.null_block
+        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0 and block is not null)
         if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
@@ -124,6 +205,26 @@ class KVCacheManager:
         if self._is_cacheable(request):
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return [block.block_id for block in hits + new_blocks]
+
+    def _free_out_of_window(self, request: Request) -> None:
+        """Release the blocks that the step starting at `num_computed_tokens` and every later
+        step never read again; their table entries become the null block. Blocks whose
+        tokens are all known are indexed first, as `free` does."""
+        blocks = self.req_to_blocks[request.request_id]
+        null = self.block_pool.null_block
+        assert null is not None
+        first = min(self._first_needed_block(request.num_computed_tokens), len(blocks))
+        if first == 0 or blocks[first - 1] is null:
+            return  # released by an earlier step (the entries before are null too)
+        if self._is_cacheable(request):
+            self._cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+        released = []
+        for i in range(first - 1, -1, -1):  # tail first, as `free`
+            if blocks[i] is null:
+                break
+            released.append(blocks[i])
+            blocks[i] = null
+        self.block_pool.free(released)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so the tail is evicted first), indexing

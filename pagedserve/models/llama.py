@@ -29,24 +29,36 @@ def get_head_dim(hf_config: Any) -> int:
     return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
 
 
-def check_full_attention(hf_config: Any) -> None:
-    """Raise NotImplementedError if the config asks for sliding-window attention.
+def layer_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full causal attention), as transformers 5
+    applies the config's `sliding_window`.
 
-    A window of None, or one at least max_position_embeddings wide, is full attention. Qwen2
-    and Qwen3 configs keep a `sliding_window` value but switch it off with
-    `use_sliding_window: false` (and, in transformers >= 5, list their `layer_types`).
+    Mistral applies it to every layer. Qwen2 and Qwen3 apply it only where `use_sliding_window`
+    is true, to the layers that `layer_types` lists as "sliding_attention" (transformers
+    derives those from `max_window_layers`: layers >= it; a config without `layer_types`
+    gets the same rule here). A window at least `max_position_embeddings` wide is full
+    attention. Raises NotImplementedError for a layer type other than full or sliding.
     """
+    num_layers = hf_config.num_hidden_layers
     window = getattr(hf_config, "sliding_window", None)
     if not getattr(hf_config, "use_sliding_window", True):
         window = None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
+    if window is not None and window >= hf_config.max_position_embeddings:
         window = None
-    if window is not None and window < hf_config.max_position_embeddings:
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        first_windowed = getattr(hf_config, "max_window_layers", 0) or 0
+        layer_types = [
+            "sliding_attention" if i >= first_windowed else "full_attention"
+            for i in range(num_layers)
+        ]
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:
         raise NotImplementedError(
-            f"sliding-window attention (sliding_window={window} < max_position_embeddings="
-            f"{hf_config.max_position_embeddings}) is not supported yet"
+            f"layer_types {sorted(unknown)} are not supported; supported: 'full_attention', "
+            f"'sliding_attention'"
         )
+    return [window if t == "sliding_attention" else None for t in layer_types[:num_layers]]
 
 
 class LlamaAttention(nn.Module):
@@ -176,13 +188,15 @@ class LlamaModel(nn.Module):
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        check_full_attention(hf_config)
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         rotary_emb = get_rope(hf_config, get_head_dim(hf_config))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, rotary_emb, attention_cls, quant_config)
             for _ in range(hf_config.num_hidden_layers)
         )
+        for layer, window in zip(self.layers, layer_sliding_windows(hf_config), strict=True):
+            attn: Attention = layer.self_attn.attn  # type: ignore[union-attr,assignment]
+            attn.sliding_window = window
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(
@@ -268,8 +282,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: the Llama architecture; sliding-window configs are refused (see
-    `check_full_attention`)."""
+    """Mistral: the Llama architecture, with its `sliding_window` (when set) on every layer
+    (`layer_sliding_windows`)."""
 
 
 def _param(params: dict[str, nn.Parameter], name: str, checkpoint_name: str) -> nn.Parameter:

@@ -3,9 +3,9 @@ profiling on a GPU) and allocation, CUDA graph capture and warm-up.
 
 The Worker calls these once, in this order: `load_model(runner)`; `determine_num_blocks(runner)`
 (the executor takes the minimum over the ranks); then `initialize_kv_cache(runner, num_blocks)`.
-`kv_block_bytes(runner)` may be asked any time after loading. From then on the runner only
-runs steps. The functions fill in the runner's `model`, `model_dtype`, `kv_cache_dtype`,
-`attention_layers`, `kv_caches` and `cuda_graphs`.
+`kv_block_bytes(runner)` and `kv_sliding_window(runner)` may be asked any time after loading.
+From then on the runner only runs steps. The functions fill in the runner's `model`,
+`model_dtype`, `kv_cache_dtype`, `attention_layers`, `kv_caches` and `cuda_graphs`.
 """
 
 import logging
@@ -108,6 +108,19 @@ def kv_block_bytes(runner: ModelRunner) -> int:
         2 * runner.block_size * layer.num_kv_heads * layer.head_dim * element_size
         for layer in runner.attention_layers
     )
+
+
+def kv_sliding_window(runner: ModelRunner) -> int | None:
+    """The sliding window W that EVERY attention layer of the loaded model uses, else None.
+
+    The scheduler may release a request's blocks that fall out of the window only when no
+    layer reads further back: a model with mixed local and global layers (Gemma 2/3), or
+    whose layers' windows differ, keeps every block (None). Each layer states its window
+    (`Attention.sliding_window`, set by the model from its config)."""
+    windows = {layer.sliding_window for layer in runner.attention_layers}
+    if len(windows) != 1:
+        return None
+    return windows.pop()
 
 
 def determine_num_blocks(runner: ModelRunner) -> int:

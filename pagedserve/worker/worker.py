@@ -18,6 +18,7 @@ from pagedserve.worker.runner_setup import (
     determine_num_blocks,
     initialize_kv_cache,
     kv_block_bytes,
+    kv_sliding_window,
     load_model,
     resolve_device,
 )
@@ -98,6 +99,10 @@ class Worker:
     def block_bytes(self) -> int:
         """Bytes of one KV block over all layers on this rank (its KV heads only)."""
         return kv_block_bytes(self.runner)
+
+    def kv_sliding_window(self) -> int | None:
+        """The sliding window every attention layer uses, else None (`kv_sliding_window`)."""
+        return kv_sliding_window(self.runner)
 
     def determine_num_blocks(self) -> int:
         return determine_num_blocks(self.runner)

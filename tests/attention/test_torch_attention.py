@@ -45,7 +45,7 @@ def _loop_reference(
 
 
 @pytest.mark.parametrize(
-    ("window", "cap"), [(None, None), (3, None), (5, None), (None, 2.0), (6, 1.5)]
+    ("window", "cap"), [(None, None), (3, None), (5, None), (None, 2.0), (6, 1.5), (1, None)]
 )
 def test_sliding_window_and_soft_cap_match_loop(window: int | None, cap: float | None) -> None:
     torch.manual_seed(0)
@@ -72,6 +72,10 @@ def test_sliding_window_and_soft_cap_match_loop(window: int | None, cap: float |
                 new_k.append(keys[r][pos])
                 new_v.append(values[r][pos])
                 slots.append(block * BLOCK_SIZE + off)
+    if window is not None:  # blocks the KV manager may have freed and reused: never read
+        for r, ctx in enumerate(context_lens):
+            for logical in range(max(ctx - window + 1, 0) // BLOCK_SIZE):
+                kv_cache[:, tables[r][logical]] = float("nan")
     width = max(len(t) for t in tables)
     block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
     for i, table in enumerate(tables):

@@ -2,9 +2,11 @@
 
 GPU tests draw fresh random inputs per case, poison the output (NaN) and the unused cache
 slots, and compare with `TorchAttentionBackend` run in float64. The planner tests need Triton
-but no GPU. The fp8 KV cache tests also run on the CPU under Triton's interpreter
-(`TRITON_INTERPRET=1 pytest tests/attention/test_triton_attention.py -k fp8`; small shapes,
-no bf16 dots there), and on the GPU as `gpu` tests.
+but no GPU. The fp8 KV cache tests and the small sliding-window / soft-cap tests also run on
+the CPU under Triton's interpreter (`TRITON_INTERPRET=1 pytest
+tests/attention/test_triton_attention.py -k "fp8 or sliding or alternates"`; small shapes, no
+bf16 dots there), and on the GPU as `gpu` tests. Sliding-window tests fill the blocks wholly
+before each request's window with NaN: the KV manager frees those, and they must not be read.
 """
 
 import itertools
@@ -122,12 +124,17 @@ def make_batch(
     )
 
 
-def reference(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(
+    batch: Batch,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention output and the cache after the write, in the cache's own dtype."""
     cache64 = batch.kv_cache.double()
     out = TorchAttentionBackend().forward(
         batch.query.double(), batch.key.double(), batch.value.double(), cache64,
-        batch.metadata, scale,
+        batch.metadata, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
     )  # fmt: skip
     written = batch.kv_cache.clone()
     write_kv_cache(batch.key, batch.value, written, batch.metadata.slot_mapping)
@@ -142,24 +149,38 @@ def poisoned_cache(batch: Batch) -> torch.Tensor:
     return cache
 
 
-def run_triton(batch: Batch, scale: float, num_splits: int | None) -> tuple[torch.Tensor, ...]:
+def run_triton(
+    batch: Batch,
+    scale: float,
+    num_splits: int | None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> tuple[torch.Tensor, ...]:
     """store_kv then paged_attention into a NaN-filled output; returns (out, cache)."""
     cache = poisoned_cache(batch)
     out = torch.full_like(batch.query, float("nan")).contiguous()
     num_heads, head_dim = batch.query.shape[1:]
     plan = plan_attention(
         batch.metadata, num_heads, batch.key.shape[1], head_dim, batch.query.dtype,
-        cache.device, num_splits,
+        cache.device, num_splits, sliding_window,
     )  # fmt: skip
     store_kv(batch.key, batch.value, cache, batch.metadata.slot_mapping)
-    paged_attention(out, batch.query, cache, batch.metadata, scale, plan)
+    paged_attention(
+        out, batch.query, cache, batch.metadata, scale, plan,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+    )  # fmt: skip
     return out, cache
 
 
-def check_against_reference(batch: Batch, num_splits: int | None = None) -> None:
+def check_against_reference(
+    batch: Batch,
+    num_splits: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> None:
     scale = 1.0 / math.sqrt(batch.query.shape[-1])
-    expected, written = reference(batch, scale)
-    out, cache = run_triton(batch, scale, num_splits)
+    expected, written = reference(batch, scale, sliding_window, logits_soft_cap)
+    out, cache = run_triton(batch, scale, num_splits, sliding_window, logits_soft_cap)
     assert not out.isnan().any(), "some outputs were never written"
     error = ((out.double() - expected).norm() / expected.norm()).item()
     assert error < TOLERANCE[batch.query.dtype], error
@@ -309,9 +330,13 @@ def test_backend_forward_matches_reference(num_splits: int | None) -> None:
 
 
 @pytest.mark.gpu
-def test_decode_step_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("sliding_window,logits_soft_cap", [(None, None), (700, 30.0)])
+def test_decode_step_replays_in_a_cuda_graph(
+    sliding_window: int | None, logits_soft_cap: float | None
+) -> None:
     """Capture one decode step, then change the lengths, block tables and inputs in place and
-    replay: the graph must compute the new step (no host values baked in but the grid)."""
+    replay: the graph must compute the new step (no host values baked in but the grid). With a
+    window, the replayed step's out-of-window blocks hold NaN."""
     if DEVICE != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
@@ -319,12 +344,15 @@ def test_decode_step_replays_in_a_cuda_graph() -> None:
                        head_dim, torch.bfloat16, 21, DEVICE)  # fmt: skip
     second = make_batch([1] * 4, [1500, 900, 3, 64], block_size, num_heads, num_kv_heads,
                         head_dim, torch.bfloat16, 22, DEVICE)  # fmt: skip
+    window = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    if sliding_window is not None:
+        free_out_of_window(second, sliding_window)
     num_blocks = max(first.kv_cache.shape[1], second.kv_cache.shape[1])
     width = max(first.metadata.block_tables.shape[1], second.metadata.block_tables.shape[1])
 
     def static(batch: Batch) -> tuple[torch.Tensor, ...]:
         cache = batch.kv_cache.new_zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
-        cache[:, : batch.kv_cache.shape[1]] = batch.kv_cache
+        cache[:, : batch.kv_cache.shape[1]] = poisoned_cache(batch)
         tables = batch.metadata.block_tables.new_zeros(4, width)
         tables[:, : batch.metadata.block_tables.shape[1]] = batch.metadata.block_tables
         return cache, tables
@@ -340,11 +368,11 @@ def test_decode_step_replays_in_a_cuda_graph() -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        backend.forward(query, key, value, cache.clone(), graph_md, 0.1)  # compile outside
+        backend.forward(query, key, value, cache.clone(), graph_md, 0.1, **window)  # compile
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.forward(query, key, value, cache, graph_md, 0.1)
+        out = backend.forward(query, key, value, cache, graph_md, 0.1, **window)
 
     new_cache, new_tables = static(second)
     cache.copy_(new_cache)
@@ -353,7 +381,7 @@ def test_decode_step_replays_in_a_cuda_graph() -> None:
     graph_md.slot_mapping.copy_(second.metadata.slot_mapping)
     query.copy_(second.query), key.copy_(second.key), value.copy_(second.value)
     graph.replay()
-    expected, _ = reference(second, 0.1)
+    expected, _ = reference(second, 0.1, sliding_window, logits_soft_cap)
     error = ((out.double() - expected).norm() / expected.norm()).item()
     assert error < 2e-2, error
 
@@ -365,12 +393,12 @@ def _metadata_with(query_lens: list[int], seq_lens: list[int]) -> AttentionMetad
 
 
 def test_split_heuristic_fills_the_gpu_only_when_needed() -> None:
-    assert choose_num_splits(num_programs=8, max_seq_len=8192, num_sms=132) == 32
-    assert choose_num_splits(num_programs=8, max_seq_len=1024, num_sms=132) == 4
-    assert choose_num_splits(num_programs=128, max_seq_len=8192, num_sms=132) == 4
-    assert choose_num_splits(num_programs=512, max_seq_len=8192, num_sms=132) == 1
-    assert choose_num_splits(num_programs=1, max_seq_len=100_000, num_sms=132) == 64
-    assert choose_num_splits(num_programs=8, max_seq_len=100, num_sms=132) == 1
+    assert choose_num_splits(num_programs=8, max_keys=8192, num_sms=132) == 32
+    assert choose_num_splits(num_programs=8, max_keys=1024, num_sms=132) == 4
+    assert choose_num_splits(num_programs=128, max_keys=8192, num_sms=132) == 4
+    assert choose_num_splits(num_programs=512, max_keys=8192, num_sms=132) == 1
+    assert choose_num_splits(num_programs=1, max_keys=100_000, num_sms=132) == 64
+    assert choose_num_splits(num_programs=8, max_keys=100, num_sms=132) == 1
 
 
 def test_plan_routes_requests_by_query_len() -> None:
@@ -550,3 +578,123 @@ def test_fp8_scales_are_read_at_graph_replay() -> None:
     )  # fmt: skip
     error = ((out.double() - expected).norm() / expected.norm()).item()
     assert error < 2e-2, error
+
+
+# --- Sliding window and logit soft cap ------------------------------------------------------
+
+
+def free_out_of_window(batch: Batch, sliding_window: int) -> None:
+    """Mark as unused (so `poisoned_cache` fills them with NaN) the blocks of each request that
+    lie wholly before its first new token's window: those the KV manager frees and reuses."""
+    md = batch.metadata
+    starts, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
+    used = batch.used_slots.view(-1, batch.kv_cache.shape[2])  # [num_blocks, block_size]
+    for i, table in enumerate(md.block_tables.cpu().tolist()):
+        first_query = seq_lens[i] - (starts[i + 1] - starts[i])
+        for logical in range(max(first_query - sliding_window + 1, 0) // used.shape[1]):
+            used[table[logical]] = False
+
+
+# (window, soft cap, num_splits, num_heads, num_kv_heads, head_dim, dtype, block_size):
+# windows of one key, shorter than a tile, cutting tiles, and longer than every sequence.
+_WINDOW_CASES = [
+    (1, None, None, 4, 2, 16, torch.float32, 4),
+    (5, None, None, 8, 2, 32, torch.float32, 4),
+    (16, 30.0, 3, 4, 1, 16, torch.float32, 8),  # split-KV: empty splits, lead-masked tiles
+    (33, 5.0, None, 4, 4, 16, torch.float16, 16),
+    (1000, None, 2, 4, 2, 16, torch.float32, 4),  # wider than every sequence
+    (None, 2.0, None, 8, 2, 16, torch.float32, 8),  # soft cap alone
+]
+# Decodes over long contexts, prefills and chunks after a prefix (several q blocks each).
+_WINDOW_QUERY_LENS = [1, 1, 40, 1, 23, 3]
+_WINDOW_CONTEXT_LENS = [0, 70, 0, 90, 50, 25]
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize(
+    "sliding_window,logits_soft_cap,num_splits,num_heads,num_kv_heads,head_dim,dtype,block_size",
+    _WINDOW_CASES,
+)
+def test_sliding_window_and_soft_cap_match_reference(
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    num_splits: int | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+) -> None:
+    """Small shapes (they also run under TRITON_INTERPRET=1 on the CPU): both launches, the
+    split decode path, and NaN in every block wholly before a request's window."""
+    seed = zlib.crc32(repr((sliding_window, logits_soft_cap, head_dim, dtype)).encode())
+    batch = make_batch(
+        _WINDOW_QUERY_LENS, _WINDOW_CONTEXT_LENS, block_size, num_heads, num_kv_heads, head_dim,
+        dtype, seed, FP8_DEVICE,
+    )  # fmt: skip
+    if sliding_window is not None:
+        free_out_of_window(batch, sliding_window)
+    check_against_reference(batch, num_splits, sliding_window, logits_soft_cap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size,head_dim,num_heads,num_kv_heads,dtype", _grid_cases()[::3])
+@pytest.mark.parametrize("sliding_window,logits_soft_cap", [(1, None), (100, 50.0), (257, None)])
+def test_sliding_window_grid_matches_reference(
+    block_size: int,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    sliding_window: int,
+    logits_soft_cap: float | None,
+) -> None:
+    """The GPU grid of head dims, groups, dtypes and block sizes, with windows and soft caps
+    on the ragged batch; out-of-window blocks hold NaN."""
+    seed = zlib.crc32(repr((block_size, head_dim, num_heads, sliding_window, dtype)).encode())
+    batch = make_batch(
+        QUERY_LENS, CONTEXT_LENS, block_size, num_heads, num_kv_heads, head_dim, dtype, seed,
+        DEVICE,
+    )  # fmt: skip
+    free_out_of_window(batch, sliding_window)
+    check_against_reference(batch, None, sliding_window, logits_soft_cap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_sliding_window_long_context_split_kv(num_splits: int | None) -> None:
+    """Decodes over 40k-token contexts with a 4096 window (Mistral 7B v0.1): splits share the
+    window's tiles; everything before the window is NaN."""
+    batch = make_batch(
+        [1, 1, 1, 7], [40_000, 17, 7000, 5000], 16, 32, 8, 128, torch.bfloat16, 5, DEVICE
+    )
+    free_out_of_window(batch, 4096)
+    check_against_reference(batch, num_splits, 4096, None)
+
+
+def test_split_heuristic_counts_the_window_not_the_sequence() -> None:
+    cpu = torch.device("cpu")
+    md = _metadata_with([1, 1], [100_000, 30])
+    assert plan_attention(md, 32, 8, 128, torch.bfloat16, cpu).num_splits > 1
+    windowed = plan_attention(md, 32, 8, 128, torch.bfloat16, cpu, sliding_window=256)
+    assert windowed.num_splits == 1  # 256 keys per program: not worth splitting
+
+
+@gpu_or_interpreter
+def test_backend_alternates_local_and_global_layers() -> None:
+    """Gemma-style layers on one step's metadata: the backend keeps a plan per window (a
+    decode over 600 keys splits without a window, not with a 20-key one), and each layer's
+    output matches the reference with its own window and soft cap."""
+    batch = make_batch([1, 1, 9], [600, 3, 40], 8, 4, 2, 16, torch.float32, 31, FP8_DEVICE)
+    backend = TritonAttentionBackend()
+    scale = 0.25
+    for sliding_window, logits_soft_cap in [(20, 50.0), (None, 50.0), (20, None)]:
+        expected, _ = reference(batch, scale, sliding_window, logits_soft_cap)
+        out = backend.forward(
+            batch.query, batch.key, batch.value, batch.kv_cache.clone(), batch.metadata, scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
+        error = ((out.double() - expected).norm() / expected.norm()).item()
+        assert error < TOLERANCE[torch.float32], (sliding_window, error)
+    splits = {key[-1]: plan.num_splits for key, plan in backend._plans.items()}
+    assert splits[None] > 1 and splits[20] == 1

@@ -128,3 +128,63 @@ def test_real_models_greedy_equal_transformers(model_name: str) -> None:
             output.outputs[0].text.strip()
             == tokenizer.decode(ids, skip_special_tokens=True).strip()
         )
+
+
+def test_sliding_window_mistral_greedy_equals_transformers(tmp_path: Path) -> None:
+    """Mistral with sliding_window=8 (a query sees its 8 last keys) on 30-token prompts that
+    share 16 tokens, 20 new tokens each: chunked prefill (16-token budget), prefix caching and
+    a cache of 16 blocks of 4, which without the window could not even run two requests at
+    once (50 tokens = 13 blocks each). Outputs equal transformers' token for token; blocks
+    that leave the window go back to the pool, so a request holds at most
+    cdiv(8 - 1 + 16, 4) + 1 = 7 blocks while prefilling and cdiv(8, 4) + 1 = 3 while
+    decoding; a second round of the same prompts hits the prefix cache (only the blocks of
+    the last window before the hit need to be cached) and gives the same tokens. (CPU, torch
+    backend; tests/gpu/test_sliding_window_gpu.py runs it on the Triton kernels.)"""
+    config = transformers.MistralConfig(**_COMMON, num_key_value_heads=1, sliding_window=8)
+    model_path = save_tiny_model(config, tmp_path / "mistral_sliding_window")
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 512) for _ in range(16)]
+    prompts = [shared + [rng.randrange(3, 512) for _ in range(14)] for _ in range(6)]
+    expected = hf_greedy(model_path, prompts, 20)
+
+    llm = LLM(
+        str(model_path),
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks_override=16,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+        device="cpu",
+    )
+    engine = llm.llm_engine
+    assert engine.engine_core.sliding_window == 8
+    kv_cache = engine.kv_cache
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for round_ in range(2):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{round_}-{i}", {"prompt_token_ids": prompt}, params)
+        finished = {}
+        peak_prefill = peak_decode = max_running = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+            max_running = max(max_running, engine.scheduler.num_running)
+            for request in engine.scheduler.running:
+                table = kv_cache.req_to_blocks[request.request_id]
+                num_held = sum(block is not kv_cache.block_pool.null_block for block in table)
+                if request.num_computed_tokens <= len(request.prompt_token_ids):
+                    peak_prefill = max(peak_prefill, num_held)
+                else:
+                    peak_decode = max(peak_decode, num_held)
+            kv_cache.check_invariants()
+        got = [finished[f"{round_}-{i}"].outputs[0].token_ids for i in range(len(prompts))]
+        assert got == expected
+        assert peak_prefill <= 7 and peak_decode <= 3 and max_running > 1
+        cached = [finished[f"{round_}-{i}"].num_cached_tokens for i in range(len(prompts))]
+        # Hits of 16 tokens or more: their first blocks come back as null blocks (the query
+        # at 16 reads from 9 on, block 2).
+        assert round_ == 0 or max(cached) >= 16
+    assert kv_cache.num_free_blocks == 15  # all but the null block

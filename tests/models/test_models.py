@@ -1,5 +1,6 @@
 """Our models against HF transformers: paged prefill and decode logits, loading, sharding math."""
 
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -87,6 +88,25 @@ CONFIGS: dict[str, PretrainedConfig] = {
         max_position_embeddings=128,
         sliding_window=None,
         architectures=["MistralForCausalLM"],
+    ),
+    "mistral_sliding_window": MistralConfig(
+        **_COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        sliding_window=4,  # < every prompt of PROMPT_LENS
+        architectures=["MistralForCausalLM"],
+    ),
+    # transformers 5: a window on layers >= max_window_layers only (here layer 1).
+    "qwen2_sliding_window_layer_1": Qwen2Config(
+        **_COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,
+        architectures=["Qwen2ForCausalLM"],
     ),
     "qwen2": Qwen2Config(
         **_COMMON,
@@ -285,13 +305,33 @@ def test_missing_tensor_is_named(tmp_path: Path) -> None:
         load_model(str(tmp_path), CONFIGS["llama_gqa_untied"], torch.float32, CPU)
 
 
-def test_sliding_window_is_refused() -> None:
-    config = MistralConfig(
-        **_COMMON, num_attention_heads=4, max_position_embeddings=128, sliding_window=8,
-        architectures=["MistralForCausalLM"],
+def _layer_windows(model: nn.Module) -> list[int | None]:
+    return [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+
+
+def test_layer_sliding_windows_follow_transformers() -> None:
+    """Mistral: every layer; Qwen2/Qwen3: `layer_types` (layers >= max_window_layers) and
+    only with use_sliding_window; a window >= max_position_embeddings is full attention."""
+    load = functools.partial(load_model, "unused", dtype=torch.float32, device=CPU)
+    assert _layer_windows(load(CONFIGS["mistral_sliding_window"], load_format="dummy")) == [4, 4]
+    qwen2 = CONFIGS["qwen2_sliding_window_layer_1"]
+    assert qwen2.layer_types == ["full_attention", "sliding_attention"]
+    assert _layer_windows(load(qwen2, load_format="dummy")) == [None, 3]
+    off = Qwen2Config(
+        **_COMMON, num_attention_heads=4, num_key_value_heads=4, sliding_window=3,
+        max_window_layers=0, architectures=["Qwen2ForCausalLM"],
     )  # fmt: skip
-    with pytest.raises(NotImplementedError, match="sliding"):
-        load_model("unused", config, torch.float32, CPU, load_format="dummy")
+    assert _layer_windows(load(off, load_format="dummy")) == [None, None]
+    every = Qwen3Config(
+        **_COMMON, num_attention_heads=4, num_key_value_heads=4, use_sliding_window=True,
+        sliding_window=5, max_window_layers=0, architectures=["Qwen3ForCausalLM"],
+    )  # fmt: skip
+    assert _layer_windows(load(every, load_format="dummy")) == [5, 5]
+    wide = MistralConfig(
+        **_COMMON, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        sliding_window=128, architectures=["MistralForCausalLM"],
+    )  # fmt: skip
+    assert _layer_windows(load(wide, load_format="dummy")) == [None, None]
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))

@@ -17,6 +17,18 @@ through its block table in tiles of TILE_N keys with an online softmax (base 2):
 A new token at position p sees keys at positions <= p of its own request; the new tokens of a
 request are the last query_len positions of its seq_len.
 
+Sliding window W (SLIDING_WINDOW > 0, a compile-time constant: 0 compiles the code above
+unchanged): a token at p sees keys p - W + 1 .. p only. Tiles wholly before the q block's
+first window start are never visited (so a long context costs O(W), and blocks the KV
+manager freed, whose table entries point anywhere, are never read), keys before it in the
+first tile are masked off at the load, and a leading run of masked tiles precedes the full ones:
+
+    keys:  (skipped) | window_lo ... masked ... | full tiles | masked ... last_q_pos
+
+Logit soft cap c (SOFT_CAP > 0, also a constant; Gemma 2): each score s becomes
+c * tanh(s / c) before the mask and softmax; the kernel works in base 2, where this is the
+same map with cap c * log2(e), which is what SOFT_CAP holds.
+
 FP8 KV cache. K and V tiles are loaded in the cache's dtype and upcast to the query's dtype
 before each `tl.dot` (exact: every e4m3/e5m2 value is a bf16 and an fp16 value). The
 per-tensor scales are not applied per element: k_scale multiplies the score scale (q . k is
@@ -61,6 +73,7 @@ def _attend_tiles(
     tile_lo,
     tile_hi,
     num_keys,  # keys this program may see: those at positions < num_keys
+    window_lo,  # and >= window_lo (sliding window; 0 without)
     qk_scale,  # softmax scale * log2(e)
     stride_cache_kv,
     stride_cache_block,
@@ -71,6 +84,8 @@ def _attend_tiles(
     TILE_N: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of every tile is visible to every row
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: none
+    SOFT_CAP: tl.constexpr,  # 0.0: none; else the cap times log2(e)
 ):
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -78,6 +93,8 @@ def _attend_tiles(
     for tile in range(tile_lo, tile_hi):
         key_pos = tile * TILE_N + offs_n  # [TILE_N]
         key_valid = key_pos < num_keys
+        if SLIDING_WINDOW > 0:
+            key_valid = key_valid & (key_pos >= window_lo)  # never touch freed blocks
         if MASKED:
             block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
         else:
@@ -95,8 +112,15 @@ def _attend_tiles(
             k = tl.load(k_ptrs)
 
         qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        if SOFT_CAP > 0:
+            # cap * tanh(qk / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1) (Triton has no tanh
+            # on every version; this form saturates to +-1 without overflow trouble).
+            e2x = tl.math.exp2(qk * (2.0 * 1.4426950408889634 / SOFT_CAP))
+            qk = SOFT_CAP * (1.0 - 2.0 / (e2x + 1.0))
         if MASKED:
             visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+            if SLIDING_WINDOW > 0:
+                visible = visible & (key_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row that has seen no key yet keeps m = -inf; subtract 0 instead (no NaN).
@@ -162,6 +186,8 @@ def paged_attention_kernel(
     SPLIT_KV: tl.constexpr,  # write partial (acc, max, sum) per split instead of the output
     DOT_PRECISION: tl.constexpr,
     KV_SCALED: tl.constexpr,  # the cache holds K / k_scale and V / v_scale (fp8)
+    SLIDING_WINDOW: tl.constexpr = 0,  # 0: none; else a token at p sees keys > p - W only
+    SOFT_CAP: tl.constexpr = 0.0,  # 0.0: none; else the logit soft cap times log2(e)
 ):
     """Grid (q blocks, num_kv_heads, num_splits). With ONE_Q_BLOCK, axis 0 is the request;
     else it is a global q block index (num_tokens // BLOCK_Q + num_reqs of them, taken in
@@ -207,8 +233,19 @@ def paged_attention_kernel(
     num_keys = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
     num_full_tiles = (context_len + q_block * BLOCK_Q + 1) // TILE_N
     num_tiles = tl.cdiv(num_keys, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
+    window_lo = 0
+    first_tile = 0
+    if SLIDING_WINDOW > 0:
+        # The first row's window starts at window_lo; tiles from `first_full` on are inside
+        # the last row's window (it starts at num_keys - W), hence every row's.
+        window_lo = tl.maximum(context_len + q_block * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+        first_tile = window_lo // TILE_N
+        first_full = tl.cdiv(tl.maximum(num_keys - SLIDING_WINDOW, 0), TILE_N)
+        first_full = tl.minimum(tl.maximum(first_full, first_tile), num_tiles)
+        num_full_tiles = tl.maximum(num_full_tiles, first_full)
+    # Splits share the tiles from first_tile on: a window's O(W) tiles, not the sequence's.
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     if KV_SCALED:
@@ -218,17 +255,29 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kv_ptr = kv_cache_ptr + kv_head * stride_cache_head
     block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_block_tables
+    full_lo = tile_lo
+    if SLIDING_WINDOW > 0:  # the leading tiles that cut through some row's window start
+        full_lo = tl.maximum(tile_lo, first_full)
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, kv_ptr, block_table_ptr,
+            tile_lo, tl.minimum(tile_hi, first_full), num_keys, window_lo, qk_scale,
+            stride_cache_kv, stride_cache_block, stride_cache_slot,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION,
+            SLIDING_WINDOW, SOFT_CAP,
+        )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, kv_ptr, block_table_ptr,
-        tile_lo, tl.minimum(tile_hi, num_full_tiles), num_keys, qk_scale,
+        full_lo, tl.minimum(tile_hi, num_full_tiles), num_keys, window_lo, qk_scale,
         stride_cache_kv, stride_cache_block, stride_cache_slot,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, DOT_PRECISION,
+        SLIDING_WINDOW, SOFT_CAP,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, kv_ptr, block_table_ptr,
-        tl.maximum(tile_lo, num_full_tiles), tile_hi, num_keys, qk_scale,
+        tl.maximum(tile_lo, num_full_tiles), tile_hi, num_keys, window_lo, qk_scale,
         stride_cache_kv, stride_cache_block, stride_cache_slot,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, DOT_PRECISION,
+        SLIDING_WINDOW, SOFT_CAP,
     )  # fmt: skip
 
     if KV_SCALED:
@@ -244,7 +293,7 @@ def paged_attention_kernel(
             mask=row_valid[:, None],
         )
     else:
-        out = acc / l_i[:, None]  # every valid row saw key 0, so l_i >= 1
+        out = acc / l_i[:, None]  # every valid row saw its own key, so l_i >= 1
         o_offsets = token[:, None] * stride_o_token + head[:, None] * stride_o_head
         o_offsets += offs_d[None, :]
         tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
