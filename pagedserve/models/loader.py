@@ -15,6 +15,7 @@ from pagedserve.distributed.parallel_state import get_tp_size
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.quantization.base import LinearMethodBase
+from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.registry import get_model_class
 from pagedserve.quant_config import get_quantization_config
 
@@ -32,6 +33,7 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     quantization: str | None = None,
+    max_model_len: int | None = None,
 ) -> nn.Module:
     """Build the model class named by `hf_config.architectures` on `device` in `dtype`, load
     its weights, and return it in eval mode with gradients off.
@@ -44,6 +46,9 @@ def load_model(
     `quantization` (ModelConfig's resolved method, e.g. "gptq") builds the linear layers with
     that method's parameters (`pagedserve.layers.quantization`), parsed from the checkpoint's
     quantization_config; dummy weights leave its integer tensors 0.
+    `max_model_len` (the served context) lets RoPE scaling that depends on it pick its
+    tables (LongRoPE's long or short factors, `RotaryEmbedding.fit_to_max_model_len`); None
+    assumes the model's max_position_embeddings.
     Raises UnsupportedModelError for an unknown architecture, a folder without safetensors
     weights, or a checkpoint that leaves parameters unloaded; NotImplementedError for a
     quantized checkpoint of an architecture that does not support quantization.
@@ -62,6 +67,10 @@ def load_model(
     files = [] if load_format == "dummy" else find_safetensors_files(model_path)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config) if quant_config is None else model_cls(hf_config, quant_config)
+    if max_model_len is not None:
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.fit_to_max_model_len(max_model_len)
     model.requires_grad_(False)
     with torch.no_grad():
         if load_format == "dummy":
@@ -228,7 +237,8 @@ class SafetensorsSlice:
 
 def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3) -> None:
     """Fill every floating-point parameter (float8 ones too) from U(low, high) (seeded), then
-    norm weights with 1, biases 0; integer ones (quantized weights, group indices) with 0."""
+    norm weights with their identity scale (1; Gemma's 0), biases 0; integer ones (quantized
+    weights, group indices) with 0."""
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
         if not param.is_floating_point():
@@ -243,8 +253,10 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
         param.data.uniform_(low, high, generator=generators[param.device])
     for module in model.modules():
         if isinstance(module, RMSNorm | nn.LayerNorm):
+            # The identity scale: 1, or 0 where the norm scales by (1 + weight) (Gemma).
+            identity = 0.0 if getattr(module, "unit_offset", False) else 1.0
             for name, param in module.named_parameters(recurse=False):
-                param.data.fill_(1.0 if name == "weight" else 0.0)
+                param.data.fill_(identity if name == "weight" else 0.0)
 
 
 def _load_naming_tensor(

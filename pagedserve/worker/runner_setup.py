@@ -76,6 +76,7 @@ def load_model(runner: ModelRunner) -> None:
         runner.device,
         model_config.load_format,
         model_config.quantization,
+        max_model_len=model_config.max_model_len,
     )
     runner.attention_layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
     for layer in runner.attention_layers:
