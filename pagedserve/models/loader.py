@@ -13,6 +13,7 @@ from torch import nn
 from pagedserve.config import LOAD_FORMATS
 from pagedserve.distributed.parallel_state import get_tp_size
 from pagedserve.errors import UnsupportedModelError
+from pagedserve.layers.attention import Attention
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.quantization.base import LinearMethodBase
 from pagedserve.layers.rotary import RotaryEmbedding
@@ -46,9 +47,8 @@ def load_model(
     `quantization` (ModelConfig's resolved method, e.g. "gptq") builds the linear layers with
     that method's parameters (`pagedserve.layers.quantization`), parsed from the checkpoint's
     quantization_config; dummy weights leave its integer tensors 0.
-    `max_model_len` (the served context) lets RoPE scaling that depends on it pick its
-    tables (LongRoPE's long or short factors, `RotaryEmbedding.fit_to_max_model_len`); None
-    assumes the model's max_position_embeddings.
+    `max_model_len` (the served context) adapts the layers to it (`fit_to_max_model_len`);
+    None assumes the model's max_position_embeddings.
     Raises UnsupportedModelError for an unknown architecture, a folder without safetensors
     weights, or a checkpoint that leaves parameters unloaded; NotImplementedError for a
     quantized checkpoint of an architecture that does not support quantization.
@@ -68,9 +68,7 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config) if quant_config is None else model_cls(hf_config, quant_config)
     if max_model_len is not None:
-        for module in model.modules():
-            if isinstance(module, RotaryEmbedding):
-                module.fit_to_max_model_len(max_model_len)
+        fit_to_max_model_len(model, max_model_len)
     model.requires_grad_(False)
     with torch.no_grad():
         if load_format == "dummy":
@@ -82,6 +80,19 @@ def load_model(
             _check_all_loaded(model, loaded, model_path)
         process_weights_after_loading(model)
     return model.eval()
+
+
+def fit_to_max_model_len(model: nn.Module, max_model_len: int) -> None:
+    """Adapt the layers to a served context of `max_model_len` tokens: LongRoPE picks its
+    factor set (`RotaryEmbedding.fit_to_max_model_len`), and a sliding window at least
+    max_model_len wide is dropped (a query at position p < max_model_len would see every key
+    anyway), so that such layers run as full attention (e.g. Phi-3-mini's window of 2047, or
+    Gemma 3's 1024, served with max_model_len <= the window)."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.fit_to_max_model_len(max_model_len)
+        elif isinstance(module, Attention) and (module.sliding_window or 0) >= max_model_len:
+            module.sliding_window = None
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

@@ -355,6 +355,44 @@ def test_sliding_window_is_refused() -> None:
         load_model("unused", config, torch.float32, CPU, load_format="dummy")
 
 
+@pytest.mark.parametrize(("max_model_len", "window"), [(8, None), (9, 8), (None, 8)])
+def test_window_as_wide_as_the_context_is_dropped(max_model_len: int | None, window: int) -> None:
+    """A window of 8 with max_model_len 8 is full attention (the Triton path runs it); with
+    9 the local layer keeps it; the global layer never has one."""
+    config = SLIDING_WINDOW_CONFIGS["gemma2"]
+    model = load_model(
+        "unused", config, torch.float32, CPU, load_format="dummy", max_model_len=max_model_len
+    )
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    assert windows == [window, None]
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (
+            Phi3Config(
+                **_COMMON, num_attention_heads=4, partial_rotary_factor=0.75, pad_token_id=0,
+                architectures=["Phi3ForCausalLM"],
+            ),
+            "partial_rotary_factor=0.75",
+        ),
+        (
+            Gemma3TextConfig(
+                **_COMMON, num_attention_heads=4, head_dim=16, use_bidirectional_attention=True,
+                architectures=["Gemma3ForCausalLM"],
+            ),
+            "use_bidirectional_attention",
+        ),
+    ],
+    ids=["phi4_mini_partial_rope", "gemma3_bidirectional"],
+)  # fmt: skip
+def test_unsupported_variants_are_refused(config: PretrainedConfig, match: str) -> None:
+    """Variants we would otherwise compute wrongly: partial RoPE, bidirectional attention."""
+    with pytest.raises(NotImplementedError, match=match):
+        load_model("unused", config, torch.float32, CPU, load_format="dummy")
+
+
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_dummy_weights_give_finite_logits(case: str) -> None:
     config = CONFIGS[case]
