@@ -1,4 +1,7 @@
-"""RMSNorm with an optional fused residual add (LayerNorm models use torch's nn.LayerNorm)."""
+"""RMSNorm with an optional fused residual add (LayerNorm models use torch's nn.LayerNorm), and
+Gemma's variant that scales by (1 + weight)."""
+
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -14,11 +17,15 @@ class RMSNorm(nn.Module):
     Works on any [..., hidden_size] input, e.g. per-head q/k norms on [num_tokens, H, D].
     """
 
+    # Gemma's norm (`GemmaRMSNorm`): scale by (1 + weight) in float32, then cast.
+    unit_offset: ClassVar[bool] = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        initial = torch.zeros if self.unit_offset else torch.ones  # the identity scale
+        self.weight = nn.Parameter(initial(hidden_size), requires_grad=False)
 
     def _norm(
         self,
@@ -28,6 +35,8 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)
         x32 = x32 * torch.rsqrt(variance + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(input_dtype)
         return self.weight * x32.to(input_dtype)
 
     def forward(
@@ -51,9 +60,23 @@ class RMSNorm(nn.Module):
 
         rows = x.reshape(-1, self.hidden_size)
         if residual is None:
-            return rms_norm(rows, self.weight, self.eps)[0].view(x.shape)
+            return rms_norm(rows, self.weight, self.eps, unit_offset=self.unit_offset)[0].view(
+                x.shape
+            )
         out, new_residual = rms_norm(
-            rows, self.weight, self.eps, residual.reshape(-1, self.hidden_size)
+            rows,
+            self.weight,
+            self.eps,
+            residual.reshape(-1, self.hidden_size),
+            unit_offset=self.unit_offset,
         )
         assert new_residual is not None
         return out.view(x.shape), new_residual.view(x.shape)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (Gemma 2 and 3 in transformers): norm(x) * (1 + weight), the product
+    taken in float32 and only then cast to x's dtype (Llama casts before scaling). The
+    checkpoint stores weight - 1, so a weight of 0 is the identity."""
+
+    unit_offset: ClassVar[bool] = True

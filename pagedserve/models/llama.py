@@ -8,7 +8,7 @@ from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.errors import UnsupportedModelError
-from pagedserve.layers.activation import SiluAndMul
+from pagedserve.layers.activation import get_gated_act_fn
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import (
@@ -120,13 +120,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x)), gate/up fused."""
+    """Gated feed-forward: down_proj(act(gate_proj(x)) * up_proj(x)), gate/up fused; SwiGLU
+    with Llama's silu, GeGLU with Gemma's tanh GELU (`hidden_act` overrides the config's)."""
 
-    def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        quant_config: QuantizationConfig | None = None,
+        hidden_act: str | None = None,
+    ) -> None:
         super().__init__()
-        hidden_act = getattr(hf_config, "hidden_act", "silu")
-        if hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported; use 'silu'")
+        self.act_fn = get_gated_act_fn(hidden_act or str(getattr(hf_config, "hidden_act", "silu")))
         bias = bool(getattr(hf_config, "mlp_bias", False))
         intermediate_size = hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -135,7 +139,6 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             intermediate_size, hf_config.hidden_size, bias, quant_config
         )
-        self.act_fn = SiluAndMul()
 
     def forward(
         self,
@@ -168,14 +171,29 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [num_tokens, hidden_size] float; None in layer 0
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (hidden_states, residual), both [T, hidden_size]
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = pre_norm_attention(
+            self.input_layernorm, self.self_attn, positions, hidden_states, residual, attn_metadata
+        )
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+
+def pre_norm_attention(
+    norm: RMSNorm,
+    self_attn: LlamaAttention,
+    positions: torch.Tensor,  # [num_tokens] int64
+    hidden_states: torch.Tensor,  # [num_tokens, hidden_size] float
+    residual: torch.Tensor | None,  # [num_tokens, hidden_size] float; None in layer 0
+    attn_metadata: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (attention output, residual), both [T, hidden_size]
+    """A block's first half: the residual stream gets the previous block's output added (none
+    in layer 0) and is normed (fused with the add) into self-attention."""
+    if residual is None:
+        residual = hidden_states
+        hidden_states = norm(hidden_states)
+    else:
+        hidden_states, residual = norm(hidden_states, residual)
+    return self_attn(positions, hidden_states, attn_metadata), residual
 
 
 class LlamaModel(nn.Module):
@@ -235,11 +253,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, self.attention_cls, quant_config)
+        self.model = self.build_model(hf_config, quant_config)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.get_parameter("model.embed_tokens.weight")
+
+    def build_model(self, hf_config: Any, quant_config: QuantizationConfig | None) -> nn.Module:
+        """`self.model`: embedding, decoder layers and final norm (Gemma builds its own)."""
+        return LlamaModel(hf_config, self.attention_cls, quant_config)
 
     def forward(
         self,

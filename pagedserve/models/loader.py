@@ -13,8 +13,10 @@ from torch import nn
 from pagedserve.config import LOAD_FORMATS
 from pagedserve.distributed.parallel_state import get_tp_size
 from pagedserve.errors import UnsupportedModelError
+from pagedserve.layers.attention import Attention
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.quantization.base import LinearMethodBase
+from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.registry import get_model_class
 from pagedserve.quant_config import get_quantization_config
 
@@ -33,6 +35,7 @@ def load_model(
     load_format: str = "auto",
     quantization: str | None = None,
     model_impl: str = "auto",
+    max_model_len: int | None = None,
 ) -> nn.Module:
     """Build the model class named by `hf_config.architectures` on `device` in `dtype`, load
     its weights, and return it in eval mode with gradients off.
@@ -45,6 +48,8 @@ def load_model(
     `quantization` (ModelConfig's resolved method, e.g. "gptq") builds the linear layers with
     that method's parameters (`pagedserve.layers.quantization`), parsed from the checkpoint's
     quantization_config; dummy weights leave its integer tensors 0.
+    `max_model_len` (the served context) adapts the layers to it (`fit_to_max_model_len`);
+    None assumes the model's max_position_embeddings.
     Raises UnsupportedModelError for an unknown architecture, a folder without safetensors
     weights, or a checkpoint that leaves parameters unloaded; NotImplementedError for a
     quantized checkpoint of an architecture that does not support quantization.
@@ -66,6 +71,8 @@ def load_model(
     files = [] if load_format == "dummy" else find_safetensors_files(model_path)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config) if quant_config is None else model_cls(hf_config, quant_config)
+    if max_model_len is not None:
+        fit_to_max_model_len(model, max_model_len)
     model.requires_grad_(False)
     with torch.no_grad():
         if load_format == "dummy":
@@ -77,6 +84,19 @@ def load_model(
             _check_all_loaded(model, loaded, model_path)
         process_weights_after_loading(model)
     return model.eval()
+
+
+def fit_to_max_model_len(model: nn.Module, max_model_len: int) -> None:
+    """Adapt the layers to a served context of `max_model_len` tokens: LongRoPE picks its
+    factor set (`RotaryEmbedding.fit_to_max_model_len`), and a sliding window at least
+    max_model_len wide is dropped (a query at position p < max_model_len would see every key
+    anyway), so that such layers run as full attention (e.g. Phi-3-mini's window of 2047, or
+    Gemma 3's 1024, served with max_model_len <= the window)."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.fit_to_max_model_len(max_model_len)
+        elif isinstance(module, Attention) and (module.sliding_window or 0) >= max_model_len:
+            module.sliding_window = None
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
@@ -232,7 +252,8 @@ class SafetensorsSlice:
 
 def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3) -> None:
     """Fill every floating-point parameter (float8 ones too) from U(low, high) (seeded), then
-    norm weights with 1, biases 0; integer ones (quantized weights, group indices) with 0."""
+    norm weights with their identity scale (1; Gemma's 0), biases 0; integer ones (quantized
+    weights, group indices) with 0."""
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():
         if not param.is_floating_point():
@@ -247,8 +268,10 @@ def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float =
         param.data.uniform_(low, high, generator=generators[param.device])
     for module in model.modules():
         if isinstance(module, RMSNorm | nn.LayerNorm):
+            # The identity scale: 1, or 0 where the norm scales by (1 + weight) (Gemma).
+            identity = 0.0 if getattr(module, "unit_offset", False) else 1.0
             for name, param in module.named_parameters(recurse=False):
-                param.data.fill_(1.0 if name == "weight" else 0.0)
+                param.data.fill_(identity if name == "weight" else 0.0)
 
 
 def _load_naming_tensor(

@@ -14,6 +14,8 @@ from pagedserve.quant_config import QuantizationConfig
 class Qwen3Attention(LlamaAttention):
     """Llama attention plus q_norm/k_norm, each an RMSNorm over head_dim shared by all heads."""
 
+    qk_norm_cls: ClassVar[type[RMSNorm]] = RMSNorm  # Gemma 3: GemmaRMSNorm
+
     def __init__(
         self,
         hf_config: Any,
@@ -21,8 +23,8 @@ class Qwen3Attention(LlamaAttention):
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__(hf_config, rotary_emb, quant_config)
-        self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.q_norm = self.qk_norm_cls(self.head_dim, hf_config.rms_norm_eps)
+        self.k_norm = self.qk_norm_cls(self.head_dim, hf_config.rms_norm_eps)
 
     def forward(
         self,

@@ -24,6 +24,9 @@ _MODELS: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
         "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
         "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
+        "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+        "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+        "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     }
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))

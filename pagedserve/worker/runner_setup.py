@@ -77,6 +77,7 @@ def load_model(runner: ModelRunner) -> None:
         model_config.load_format,
         model_config.quantization,
         model_config.model_impl,
+        max_model_len=model_config.max_model_len,
     )
     runner.attention_layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
     for layer in runner.attention_layers:

@@ -44,6 +44,33 @@ CONFIGS: dict[str, transformers.PretrainedConfig] = {
     "gpt2": transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128, initializer_range=0.2
     ),
+    # Sliding windows of 8 (prompts up to 40 tokens). Gemma 3's one KV head is replicated;
+    # Phi-3's fused qkv_proj / gate_up_proj are cut into q/k/v and gate/up before sharding.
+    "gemma2": transformers.Gemma2Config(
+        **_COMMON, vocab_size=512, num_key_value_heads=2, head_dim=16, sliding_window=8
+    ),
+    "gemma3": transformers.Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 6},
+        vocab_size=512,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ),
+    "phi3": transformers.Phi3Config(
+        **_COMMON,
+        vocab_size=512,
+        num_key_value_heads=2,
+        sliding_window=8,
+        original_max_position_embeddings=32,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.2, 1.5, 2.0, 2.6, 3.3, 4.1, 5.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+    ),
 }
 
 

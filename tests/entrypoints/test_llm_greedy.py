@@ -33,6 +33,21 @@ CONFIGS = {
     "gpt2": transformers.GPT2Config(
         vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128, initializer_range=0.2
     ),
+    # Sliding windows of 8 tokens, prompts of up to 40: local layers see part of the context.
+    "gemma2": transformers.Gemma2Config(
+        **_COMMON, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8
+    ),
+    "gemma3": transformers.Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 6},  # transformers' default: 5 local, 1 global
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ),
+    "phi3": transformers.Phi3Config(
+        **_COMMON, num_key_value_heads=2, sliding_window=8, pad_token_id=0, bos_token_id=1
+    ),
 }
 
 
@@ -188,3 +203,74 @@ def test_sliding_window_mistral_greedy_equals_transformers(tmp_path: Path) -> No
         # at 16 reads from 9 on, block 2).
         assert round_ == 0 or max(cached) >= 16
     assert kv_cache.num_free_blocks == 15  # all but the null block
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3"])
+def test_sliding_window_prefix_cache_hits(name: str, tmp_path: Path) -> None:
+    """Prompts sharing a 24-token prefix (3 windows): the second batch reads the first one's
+    blocks from the prefix cache, and every output still equals transformers'."""
+    model_path = save_tiny_model(CONFIGS[name], tmp_path / name)
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, 512) for _ in range(24)]
+    prompts = [prefix + [rng.randrange(3, 512) for _ in range(n)] for n in (3, 9, 14, 6)]
+    expected = hf_greedy(model_path, prompts, 10)
+    llm = LLM(
+        str(model_path),
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks_override=64,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        device="cpu",
+        enable_prefix_caching=True,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + rest] == expected
+    assert all(o.num_cached_tokens >= 20 for o in rest)  # 5 full blocks of the prefix
+
+
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.2, 1.5, 2.0, 2.6, 3.3, 4.1, 5.0],
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+}
+
+
+@pytest.mark.parametrize(
+    ("max_model_len", "prompt_lens"),
+    [(32, (3, 9, 14, 20)), (128, (33, 40, 57))],
+    ids=["short_factors", "long_factors"],
+)
+def test_phi3_longrope_greedy(
+    max_model_len: int, prompt_lens: tuple[int, ...], tmp_path: Path
+) -> None:
+    """LongRoPE with an original context of 32 in 128 positions: served within 32 tokens
+    (prompt and output) the short factors apply, as in transformers; with max_model_len 128
+    the long factors and attention factor, as transformers uses for prompts beyond 32."""
+    config = transformers.Phi3Config(
+        **_COMMON,
+        num_key_value_heads=2,
+        original_max_position_embeddings=32,
+        rope_scaling=dict(LONGROPE),
+        pad_token_id=0,
+        bos_token_id=1,
+    )
+    model_path = save_tiny_model(config, tmp_path / "phi3_longrope")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in prompt_lens]
+    max_tokens = 32 - max(prompt_lens) if max_model_len == 32 else 10
+    expected = hf_greedy(model_path, prompts, max_tokens)
+    llm = LLM(
+        str(model_path),
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks_override=96,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=128,
+        device="cpu",
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

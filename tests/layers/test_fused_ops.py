@@ -33,6 +33,25 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype, hidden_size: int
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemma_rms_norm_fused_equals_torch(dtype: torch.dtype) -> None:
+    """Gemma's (1 + weight) norm: the kernel (unit_offset) gives the PyTorch path's values,
+    which are transformers' Gemma2RMSNorm's, and the Llama order stays as it was."""
+    from pagedserve.layers.norm import GemmaRMSNorm, RMSNorm
+
+    for cls in (GemmaRMSNorm, RMSNorm):
+        norm = cls(2560, 1e-6).cuda()
+        norm.weight.data.normal_(0.0, 0.3)
+        norm = norm.to(dtype)
+        x = torch.randn(23, 2560, dtype=dtype, device="cuda")
+        residual = torch.randn_like(x)
+        reference = norm._norm(x + residual)
+        out, summed = norm(x, residual)  # fused: a half-precision CUDA tensor
+        assert torch.equal(summed, x + residual)
+        assert rel_error(out, reference) < 1e-2
+        assert (out != reference).float().mean().item() < 0.05  # rounding differences only
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("size", [172, 3072, 14336])
 def test_silu_and_mul(dtype: torch.dtype, size: int) -> None:
     from pagedserve.layers.kernels.fused_ops import silu_and_mul

@@ -13,9 +13,12 @@ from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -44,6 +47,63 @@ SHARED_MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
 CPU = torch.device("cpu")
 
 _COMMON = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+SLIDING_WINDOW_CONFIGS: dict[str, PretrainedConfig] = {
+    # Layer 0 local, layer 1 global; both soft caps bind at these magnitudes.
+    "gemma2": Gemma2Config(
+        **_COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        max_position_embeddings=128,
+        sliding_window=8,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=10.0,
+        architectures=["Gemma2ForCausalLM"],
+    ),
+    # The default pattern (5 local, 1 global), a local RoPE base apart from the global one,
+    # and linear scaling on the global layers only.
+    "gemma3": Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 6},
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=128,
+        sliding_window=8,
+        rope_theta=10000.0,
+        rope_local_base_freq=100.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        architectures=["Gemma3ForCausalLM"],
+    ),
+    "phi3": Phi3Config(
+        **_COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        original_max_position_embeddings=128,
+        sliding_window=8,
+        pad_token_id=0,
+        architectures=["Phi3ForCausalLM"],
+    ),
+    # LongRoPE: every prompt passes the original context of 4, so transformers takes the long
+    # factors (and the attention factor), as we do for max_model_len > 4.
+    "phi3_longrope": Phi3Config(
+        **_COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        original_max_position_embeddings=4,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+        },
+        sliding_window=None,
+        pad_token_id=0,
+        architectures=["Phi3ForCausalLM"],
+    ),
+}
 CONFIGS: dict[str, PretrainedConfig] = {
     "llama_gqa_untied": LlamaConfig(
         **_COMMON,
@@ -135,6 +195,9 @@ CONFIGS: dict[str, PretrainedConfig] = {
         activation_function="gelu_new",
         architectures=["GPT2LMHeadModel"],
     ),
+    # Sliding-window models: windows of 8 and prompts up to 12 tokens, so the local layers
+    # see only part of the context.
+    **SLIDING_WINDOW_CONFIGS,
 }
 
 
@@ -332,6 +395,44 @@ def test_layer_sliding_windows_follow_transformers() -> None:
         sliding_window=128, architectures=["MistralForCausalLM"],
     )  # fmt: skip
     assert _layer_windows(load(wide, load_format="dummy")) == [None, None]
+
+
+@pytest.mark.parametrize(("max_model_len", "window"), [(8, None), (9, 8), (None, 8)])
+def test_window_as_wide_as_the_context_is_dropped(max_model_len: int | None, window: int) -> None:
+    """A window of 8 with max_model_len 8 is full attention (the Triton path runs it); with
+    9 the local layer keeps it; the global layer never has one."""
+    config = SLIDING_WINDOW_CONFIGS["gemma2"]
+    model = load_model(
+        "unused", config, torch.float32, CPU, load_format="dummy", max_model_len=max_model_len
+    )
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    assert windows == [window, None]
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (
+            Phi3Config(
+                **_COMMON, num_attention_heads=4, partial_rotary_factor=0.75, pad_token_id=0,
+                architectures=["Phi3ForCausalLM"],
+            ),
+            "partial_rotary_factor=0.75",
+        ),
+        (
+            Gemma3TextConfig(
+                **_COMMON, num_attention_heads=4, head_dim=16, use_bidirectional_attention=True,
+                architectures=["Gemma3ForCausalLM"],
+            ),
+            "use_bidirectional_attention",
+        ),
+    ],
+    ids=["phi4_mini_partial_rope", "gemma3_bidirectional"],
+)  # fmt: skip
+def test_unsupported_variants_are_refused(config: PretrainedConfig, match: str) -> None:
+    """Variants we would otherwise compute wrongly: partial RoPE, bidirectional attention."""
+    with pytest.raises(NotImplementedError, match=match):
+        load_model("unused", config, torch.float32, CPU, load_format="dummy")
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))

@@ -17,7 +17,7 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, residual_out_ptr, out_ptr, weight_ptr,
     stride_x, stride_residual, stride_out,
     hidden_size, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -29,9 +29,12 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_out + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, axis=0) / hidden_size
-    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, (normed * weight).to(x.dtype), mask=mask)
+    if UNIT_OFFSET:  # Gemma: (x * (1 + w)) in float32, cast once
+        out = x32 * tl.rsqrt(variance + eps) * (1.0 + weight.to(tl.float32))
+    else:  # Llama: the normed x is cast before the scale
+        out = (x32 * tl.rsqrt(variance + eps)).to(x.dtype) * weight
+    tl.store(out_ptr + row * stride_out + cols, out.to(x.dtype), mask=mask)
 
 
 def rms_norm(
@@ -39,8 +42,10 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden_size], dtype of x
     eps: float,
     residual: torch.Tensor | None = None,  # [num_rows, hidden_size], dtype of x
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # 2 x [num_rows, hidden_size], dtype of x
-    """RMSNorm of x, or of s = x + residual; returns (normed, s or None)."""
+    """RMSNorm of x, or of s = x + residual; returns (normed, s or None). `unit_offset`
+    scales by (1 + weight) in float32 (Gemma's norm) instead of by weight after the cast."""
     num_rows, hidden_size = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else None
@@ -52,7 +57,8 @@ def rms_norm(
         residual_out if residual_out is not None else x, out, weight,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         hidden_size, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+        HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
+        num_warps=min(max(block // 256, 1), 16),
     )  # fmt: skip
     return out, residual_out
 
