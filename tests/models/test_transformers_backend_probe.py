@@ -134,3 +134,12 @@ def test_heads_that_reach_into_the_base_model_run(
     hf_model = _save_tiny(config, tmp_path)
     llm = LLM(str(tmp_path), model_impl="transformers", **LLM_OPTIONS)
     assert _greedy(llm, PROMPTS[:2]) == [_hf_greedy(hf_model, p) for p in PROMPTS[:2]]
+
+
+def test_checkpoint_needing_tensor_conversion_says_so(tmp_path: Path) -> None:
+    """transformers saves Mixtral's fused experts as per-expert tensors and merges them when it
+    loads; the backend does not, and said "does config.json's architecture match the
+    weights?", which misleads: the error names the conversion instead."""
+    _save_tiny(transformers.MixtralConfig(**_SMALL, num_local_experts=2), tmp_path)
+    with pytest.raises(UnsupportedModelError, match="merges or splits this architecture's"):
+        LLM(str(tmp_path), model_impl="transformers", **LLM_OPTIONS)

@@ -80,7 +80,7 @@ class TransformersForCausalLM(nn.Module):
         self.base_model_name = prefix
         for name, child in hf_model.named_children():
             self.add_module(name, child)
-        self._renamings = _checkpoint_renamings(hf_model)
+        self._renamings, self._converts = _checkpoint_renamings(hf_model)
         self._ignored_names = [
             re.compile(pattern)
             for pattern in getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or []
@@ -235,10 +235,16 @@ class TransformersForCausalLM(nn.Module):
             if name is None:
                 if self._skipped(checkpoint_name, buffers):
                     continue
+                why = (
+                    "transformers merges or splits this architecture's checkpoint tensors when "
+                    "loading (e.g. per-expert MoE weights into fused ones), which the "
+                    "transformers backend does not do yet"
+                    if self._converts
+                    else "does config.json's architecture match the weights?"
+                )
                 raise UnsupportedModelError(
                     f"checkpoint tensor {checkpoint_name!r} matches no parameter of "
-                    f"{type(self._logits_head).__name__}; does config.json's architecture "
-                    f"match the weights?"
+                    f"{type(self._logits_head).__name__}; {why}"
                 )
             param = params[name]
             default_weight_loader(param, tensor)
@@ -286,24 +292,25 @@ def _scratch_step(num_computed: int, num_new: int, device: torch.device) -> Atte
     )
 
 
-def _checkpoint_renamings(hf_model: nn.Module) -> list[Any]:
+def _checkpoint_renamings(hf_model: nn.Module) -> tuple[list[Any], bool]:
     """transformers' renamings from an architecture's checkpoint names to its module names
     (`WeightRenaming`s of `get_model_conversion_mapping`; transformers >= 5). Conversions that
     merge or split tensors (`WeightConverter`, e.g. fused MoE experts) are not applied: such a
-    checkpoint fails to load with the tensor's name."""
+    checkpoint fails to load with the tensor's name; the bool says whether there are any."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming
     except ImportError:
-        return []
+        return [], False
     transforms = get_model_conversion_mapping(cast(Any, hf_model))
     # (rename_source_key is how transformers 5.x renames one key; a version without it
     # loads by module names only.)
-    return [
+    renamings = [
         t
         for t in transforms
         if isinstance(t, WeightRenaming) and callable(getattr(t, "rename_source_key", None))
     ]
+    return renamings, any(not isinstance(t, WeightRenaming) for t in transforms)
 
 
 class _HiddenStatesPassThrough(nn.Module):
