@@ -10,46 +10,32 @@ attends through the layer's `pagedserve.layers.attention.Attention` (found by th
 `layer_idx`), using the step's AttentionMetadata that the model wrapper's forward put in the
 context.
 
-No mask function is registered for the name (transformers' `AttentionMaskInterface`): for an
-implementation without one, transformers' `create_causal_mask` returns None at once, building
-no dense mask (a registered one would also run its packed-sequence check, a device->host sync
-every step). Causality, the cached prefix, sliding windows and request boundaries all come from
-the AttentionMetadata instead.
+No mask function is registered for the name (transformers' `AttentionMaskInterface`) outside
+the construction-time probe (`probe.py`): for an implementation without one, transformers'
+`create_causal_mask` returns None at once, building no dense mask (a registered one would also
+run its packed-sequence check, a device->host sync every step). Causality, the cached prefix,
+sliding windows and request boundaries all come from the AttentionMetadata instead.
 """
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.errors import UnsupportedModelError
+from pagedserve.models.transformers_backend.probe import probing, record_call
 
 ATTN_IMPLEMENTATION = "pagedserve"
 
 
-@dataclass(frozen=True, slots=True)
-class LayerSpec:
-    """What one attention layer's call showed: the arguments of its `Attention` module."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    sliding_window: int | None
-    logits_soft_cap: float | None
-
-
 class _ForwardContext:
-    """The state one model forward runs under: the step's metadata and the model's layers, or
-    (probing) the record of each layer's call."""
+    """The state one model forward runs under: the step's metadata and the model's layers."""
 
     def __init__(self) -> None:
         self.attn_metadata: AttentionMetadata | None = None
         self.layers: Sequence[torch.nn.Module] = ()
-        self.probe: dict[int, LayerSpec] | None = None
 
 
 _context = _ForwardContext()
@@ -69,20 +55,6 @@ def forward_context(
         _context.attn_metadata, _context.layers = previous
 
 
-@contextmanager
-def probe_context() -> Iterator[dict[int, LayerSpec]]:
-    """Run a model forward that only records each attention call (layer_idx -> LayerSpec) and
-    returns its query as the output: how the wrapper learns each layer's heads, head size,
-    scale, window and soft cap from the model's own code rather than from config names."""
-    records: dict[int, LayerSpec] = {}
-    previous = _context.probe
-    _context.probe = records
-    try:
-        yield records
-    finally:
-        _context.probe = previous
-
-
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim]
@@ -99,23 +71,21 @@ def paged_attention_forward(
 
     Raises UnsupportedModelError for a call the paged kernels cannot serve: no `layer_idx` on
     the module, a batch of more than one row, non-causal attention (an encoder), keys and
-    values of different head sizes, or a mask the model built itself (e.g. an ALiBi bias).
+    values of different head sizes; during the probe forward also what `probe.record_call`
+    refuses (a mask the model built itself, attention sinks, a layer attending twice, ...).
     """
-    del dropout, kwargs  # inference: no dropout; other kwargs are other backends' options
-    layer_idx = _check_call(module, query, key, value, attention_mask)
+    del dropout  # inference: no dropout
+    layer_idx = _check_call(module, query, key, value)
     _, num_heads, num_tokens, head_dim = query.shape
-    if _context.probe is not None:
-        if sliding_window is None:
-            sliding_window = getattr(module, "sliding_window", None)
-        _context.probe[layer_idx] = LayerSpec(
-            num_heads=num_heads,
-            num_kv_heads=key.shape[1],
-            head_dim=head_dim,
-            scale=float(scaling) if scaling is not None else head_dim**-0.5,
-            sliding_window=int(sliding_window) if sliding_window else None,
-            logits_soft_cap=float(softcap) if softcap else None,
+    if probing():  # the kwargs and the mask were checked by the probe, once per layer
+        record_call(
+            module, layer_idx, query, key, attention_mask, scaling, sliding_window, softcap, kwargs
         )
         return query.transpose(1, 2), None
+    if attention_mask is not None:
+        raise RuntimeError(
+            f"{type(module).__name__} got an attention mask outside the probe forward"
+        )
     metadata = _context.attn_metadata
     if metadata is None or layer_idx >= len(_context.layers):
         raise RuntimeError("the transformers backend's model ran outside its forward context")
@@ -134,7 +104,6 @@ def _check_call(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
 ) -> int:
     """The module's layer index, after the checks of `paged_attention_forward`."""
     name = type(module).__name__
@@ -157,12 +126,6 @@ def _check_call(
         raise UnsupportedModelError(
             f"{name} uses different head sizes for query {query.shape[-1]}, key {key.shape[-1]} "
             f"and value {value.shape[-1]}; paged attention needs one"
-        )
-    if attention_mask is not None:
-        raise UnsupportedModelError(
-            f"{name} got an attention mask that the model built itself (e.g. an ALiBi bias or "
-            f"a custom mask); paged attention applies only causal, sliding-window and "
-            f"soft-capped attention"
         )
     return layer_idx
 

@@ -18,9 +18,9 @@ from pagedserve.layers.linear import default_weight_loader
 from pagedserve.models.transformers_backend.attention import (
     ATTN_IMPLEMENTATION,
     forward_context,
-    probe_context,
     register_attention,
 )
+from pagedserve.models.transformers_backend.probe import mask_probe, probe_records
 from pagedserve.models.transformers_backend.support import causal_lm_class
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class TransformersForCausalLM(nn.Module):
         self.base_model_name = prefix
         for name, child in hf_model.named_children():
             self.add_module(name, child)
-        self._renamings = _checkpoint_renamings(hf_model)
+        self._renamings, self._converts = _checkpoint_renamings(hf_model)
         self._ignored_names = [
             re.compile(pattern)
             for pattern in getattr(hf_model, "_keys_to_ignore_on_load_unexpected", None) or []
@@ -89,7 +89,7 @@ class TransformersForCausalLM(nn.Module):
         # final hidden states into logits exactly as the model's own code does.
         head = copy.copy(hf_model)
         head._modules = dict(hf_model._modules)
-        head._modules[prefix] = _HiddenStatesPassThrough()
+        head._modules[prefix] = _HiddenStatesPassThrough(getattr(hf_model, prefix))
         head.training = False  # `eval()` on this module does not reach the copy
         self.__dict__["_logits_head"] = head
         parameters = inspect.signature(hf_model.forward).parameters
@@ -99,6 +99,8 @@ class TransformersForCausalLM(nn.Module):
         layers = self._probe_attention_layers(type(hf_model).__name__)
         self.paged_attention = nn.ModuleList(layers)
         self._layers_by_index = layers  # the same modules, as the Sequence the context takes
+        self.eval()  # as the loader returns it: no dropout in the check below
+        self._check_incremental(type(hf_model).__name__)
         logger.info(
             "transformers backend: %s with %d paged attention layers",
             type(hf_model).__name__,
@@ -112,12 +114,29 @@ class TransformersForCausalLM(nn.Module):
         return module
 
     def _probe_attention_layers(self, class_name: str) -> list[Attention]:
-        """One Attention module per attention layer, from a 2-token probe forward."""
+        """One Attention module per attention layer, from a 2-token probe forward (with
+        transformers' masks as markers: `probe.mask_probe`); then the logits head runs once
+        on its output, which must not attend again (an encoder-decoder's head that reruns
+        the decoder) nor fail. Raises UnsupportedModelError for what `probe.record_call`
+        refuses and for those heads."""
         device = next(iter(self.parameters())).device
         ids = torch.zeros(1, 2, dtype=torch.int64, device=device)
         positions = torch.arange(2, device=device)[None]
-        with torch.no_grad(), probe_context() as specs:
-            self.base_model(input_ids=ids, position_ids=positions, use_cache=False)
+        with torch.no_grad(), probe_records() as specs, mask_probe(ATTN_IMPLEMENTATION):
+            outputs = self.base_model(input_ids=ids, position_ids=positions, use_cache=False)
+        with torch.no_grad(), probe_records() as head_calls:
+            try:
+                self.compute_logits(outputs[0][0])
+            except Exception as e:
+                raise UnsupportedModelError(
+                    f"{class_name}'s logits code fails on the final hidden states alone "
+                    f"({type(e).__name__}: {e}); the transformers backend cannot run it"
+                ) from None
+        if head_calls:
+            raise UnsupportedModelError(
+                f"{class_name} attends again after its base model (its logits code runs "
+                f"decoder layers); the transformers backend cannot run it"
+            )
         if sorted(specs) != list(range(len(specs))) or not specs:
             raise UnsupportedModelError(
                 f"{class_name} called the attention function for layers {sorted(specs)}; the "
@@ -136,6 +155,49 @@ class TransformersForCausalLM(nn.Module):
             )
             for _, spec in sorted(specs.items())
         ]
+
+    def _check_incremental(self, class_name: str) -> None:
+        """Raise UnsupportedModelError unless 6 tokens fed in one step and as 3 + 3 (the
+        second step reading the first's K/V from a scratch paged cache) give the same hidden
+        states: a model that keeps state outside its attention calls (Mamba or linear-
+        attention layers, e.g. Falcon-H1, MiniMax) loses it between steps here, and one that
+        numbers positions itself (BART's decoder) restarts them. It runs at construction, on
+        the initial weights: in half precision only large differences show (the tolerance
+        must stay above rounding), so a weak dependence may pass there."""
+        from pagedserve.attention.torch_backend import TorchAttentionBackend
+
+        device = next(iter(self.parameters())).device
+        dtype = torch.get_default_dtype()
+        vocab_size = int(getattr(self.config, "vocab_size", 0) or 2)
+        ids = torch.arange(1, 7, device=device) % vocab_size
+        for layer in self._layers_by_index:
+            shape = (2, 2, 4, layer.num_kv_heads, layer.head_dim)
+            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.backend = TorchAttentionBackend()
+        try:
+            with torch.no_grad():
+                whole = self(ids, torch.arange(6, device=device), _scratch_step(0, 6, device))
+                self(ids[:3], torch.arange(3, device=device), _scratch_step(0, 3, device))
+                second = self(
+                    ids[3:], torch.arange(3, 6, device=device), _scratch_step(3, 3, device)
+                )
+        finally:
+            for layer in self._layers_by_index:
+                layer.kv_cache, layer.backend = None, None
+        error = float(
+            (second - whole[3:]).float().norm() / whole[3:].float().norm().clamp(min=1e-6)
+        )
+        # Rounding alone differs by ~1e-7 in float32 and ~1e-2 in half precision; a model
+        # that drops state between steps, even at its initial weights, by 5e-3 or much more.
+        tolerance = 1e-3 if dtype == torch.float32 else 5e-2
+        if not error < tolerance:
+            raise UnsupportedModelError(
+                f"{class_name} gives other outputs when a sequence is fed in two steps than "
+                f"in one (relative difference {error:.3g}): it keeps state outside its "
+                f"attention layers (e.g. Mamba or linear-attention layers) or computes "
+                f"positions itself rather than from position_ids, which the transformers "
+                f"backend does not support"
+            )
 
     def forward(
         self,
@@ -173,10 +235,16 @@ class TransformersForCausalLM(nn.Module):
             if name is None:
                 if self._skipped(checkpoint_name, buffers):
                     continue
+                why = (
+                    "transformers merges or splits this architecture's checkpoint tensors when "
+                    "loading (e.g. per-expert MoE weights into fused ones), which the "
+                    "transformers backend does not do yet"
+                    if self._converts
+                    else "does config.json's architecture match the weights?"
+                )
                 raise UnsupportedModelError(
                     f"checkpoint tensor {checkpoint_name!r} matches no parameter of "
-                    f"{type(self._logits_head).__name__}; does config.json's architecture "
-                    f"match the weights?"
+                    f"{type(self._logits_head).__name__}; {why}"
                 )
             param = params[name]
             default_weight_loader(param, tensor)
@@ -206,30 +274,86 @@ class TransformersForCausalLM(nn.Module):
         return any(pattern.search(checkpoint_name) for pattern in self._ignored_names)
 
 
-def _checkpoint_renamings(hf_model: nn.Module) -> list[Any]:
+def _scratch_step(num_computed: int, num_new: int, device: torch.device) -> AttentionMetadata:
+    """The metadata of one request feeding `num_new` tokens after `num_computed`, in blocks
+    0 and 1 of 4 slots (`_check_incremental`'s scratch cache)."""
+    seq_len = num_computed + num_new
+    query_start_loc = torch.tensor([0, num_new], dtype=torch.int32)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+    return AttentionMetadata(
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens.to(device),
+        block_tables=torch.tensor([[0, 1]], dtype=torch.int32, device=device),
+        slot_mapping=torch.arange(num_computed, seq_len, device=device),
+        max_query_len=num_new,
+        max_seq_len=seq_len,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def _checkpoint_renamings(hf_model: nn.Module) -> tuple[list[Any], bool]:
     """transformers' renamings from an architecture's checkpoint names to its module names
     (`WeightRenaming`s of `get_model_conversion_mapping`; transformers >= 5). Conversions that
     merge or split tensors (`WeightConverter`, e.g. fused MoE experts) are not applied: such a
-    checkpoint fails to load with the tensor's name."""
+    checkpoint fails to load with the tensor's name; the bool says whether there are any."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming
     except ImportError:
-        return []
+        return [], False
     transforms = get_model_conversion_mapping(cast(Any, hf_model))
     # (rename_source_key is how transformers 5.x renames one key; a version without it
     # loads by module names only.)
-    return [
+    renamings = [
         t
         for t in transforms
         if isinstance(t, WeightRenaming) and callable(getattr(t, "rename_source_key", None))
     ]
+    return renamings, any(not isinstance(t, WeightRenaming) for t in transforms)
 
 
 class _HiddenStatesPassThrough(nn.Module):
-    """Stands in for a causal LM's base model: returns the hidden states it is given."""
+    """Stands in for a causal LM's base model: returns the hidden states it is given, in an
+    output whose other fields (router logits, cross attentions, ...) are all None. The base
+    model's other attributes are its own (e.g. Falcon-H1's `lm_head_multiplier`), but for
+    its submodules, which pass through too (OPT's and BART's causal LMs call
+    `self.model.decoder`)."""
+
+    def __init__(self, base_model: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["_wrapped"] = base_model  # not a child: its parameters are not ours
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            value = getattr(self.__dict__["_wrapped"], name)
+            return _HiddenStatesPassThrough(value) if isinstance(value, nn.Module) else value
 
     def forward(self, *args: Any, inputs_embeds: torch.Tensor, **kwargs: Any) -> Any:
-        from transformers.modeling_outputs import BaseModelOutputWithPast
+        return _PassThroughOutput(last_hidden_state=inputs_embeds)
 
-        return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
+
+def _pass_through_output_class() -> type:
+    """A BaseModelOutputWithPast whose missing fields read as None (built on first use:
+    transformers is imported lazily)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    class PassThroughOutput(BaseModelOutputWithPast):
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    return PassThroughOutput
+
+
+def _PassThroughOutput(last_hidden_state: torch.Tensor) -> Any:  # noqa: N802 (a class's role)
+    global _output_class
+    if _output_class is None:
+        _output_class = _pass_through_output_class()
+    return _output_class(last_hidden_state=last_hidden_state)
+
+
+_output_class: type | None = None
