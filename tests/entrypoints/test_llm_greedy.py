@@ -86,7 +86,8 @@ def random_prompts(num: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_greedy_equals_transformers_with_a_tight_cache(name: str, tmp_path: Path) -> None:
     """10 prompts submitted together; 24 blocks of 4 tokens cannot hold them all at once and a
-    16-token budget chunks the prompts, so requests wait, chunk and get preempted."""
+    16-token budget chunks the prompts, so requests wait, chunk and get preempted (unless every
+    layer has a sliding window, which bounds what each request holds)."""
     model_path = save_tiny_model(CONFIGS[name], tmp_path / name)
     prompts = random_prompts(10, 512)
     max_tokens = 12
@@ -105,8 +106,13 @@ def test_greedy_equals_transformers_with_a_tight_cache(name: str, tmp_path: Path
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert llm.llm_engine.scheduler.num_preemptions_total > 0
-    assert llm.llm_engine.kv_cache.num_free_blocks == 24
+    if llm.llm_engine.engine_core.sliding_window is None:
+        assert llm.llm_engine.scheduler.num_preemptions_total > 0
+        assert llm.llm_engine.kv_cache.num_free_blocks == 24
+    else:
+        # Every layer windowed (phi3 here): blocks leave the window and go back to the pool,
+        # so the cache may never run short; block 0 is the null block.
+        assert llm.llm_engine.kv_cache.num_free_blocks == 23
     llm.llm_engine.kv_cache.check_invariants()
 
 
