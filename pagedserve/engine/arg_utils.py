@@ -33,7 +33,6 @@ from pagedserve.engine.model_files import (
     read_generation_config,
 )
 from pagedserve.errors import UnsupportedModelError
-from pagedserve.models.registry import check_model_impl
 from pagedserve.quant_config import resolve_quantization
 
 # Who builds the engine (vLLM's UsageContext): the offline `LLM` class gets a larger default
@@ -227,6 +226,9 @@ class EngineArgs:
         if max_model_len is None:
             max_model_len = get_model_max_len(hf_config)
         quantization = resolve_quantization(self.quantization, hf_config)
+        # Imported here: importing the API server must load no model code (registry included).
+        from pagedserve.models.registry import check_model_impl
+
         check_model_impl(hf_config, self.model_impl, self.tensor_parallel_size, quantization)
         config: ModelConfig = self._build(
             ModelConfig,
