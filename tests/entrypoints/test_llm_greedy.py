@@ -61,7 +61,11 @@ def save_tiny_model(config: transformers.PretrainedConfig, path: Path) -> Path:
 
 
 def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    # Eager attention, the model's reference math (transformers' default SDPA drops Gemma 2's
+    # attention soft cap in some versions, e.g. 5.17).
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation="eager"
+    )
     model.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos
     outputs = []
     for prompt in prompts:

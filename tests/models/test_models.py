@@ -218,7 +218,11 @@ def _randomize(model: nn.Module, seed: int) -> None:
 
 def _make_hf_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Eager attention: the model's reference math. transformers' default may be SDPA, which
+    # some versions (5.17 for Gemma 2) run without the model's attention soft cap.
+    hf_model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
     _randomize(hf_model, seed)
     return hf_model.eval()
 

@@ -1,6 +1,7 @@
 """The transformers backend (`model_impl="transformers"`): transformers' own modeling code on
 paged attention, against transformers' `generate` and logits, and the choice of backend."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from pagedserve.models.llama import LlamaForCausalLM
 from pagedserve.models.loader import load_model
 from pagedserve.models.registry import SUPPORTED_ARCHITECTURES, check_model_impl
 from pagedserve.models.transformers_backend.model import TransformersForCausalLM
+from pagedserve.models.transformers_backend.support import uses_attention_interface
 
 from ._metadata import build_step
 from .test_models import _make_hf_model
@@ -89,6 +91,22 @@ def _save_tiny(config: PretrainedConfig, path: Path) -> nn.Module:
     return hf_model
 
 
+def _skip_unless_the_backend_runs(config: PretrainedConfig) -> None:
+    """Skip an architecture that the installed transformers computes outside its attention
+    interface (GPT-J in transformers 5.17; 5.24's goes through it), after checking that the
+    backend refuses it at config time. Only that refusal skips; an architecture the backend
+    accepts must match transformers."""
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    if not uses_attention_interface(model_class):
+        with pytest.raises(UnsupportedModelError, match="computes attention in its own code"):
+            check_model_impl(config, "transformers")
+        pytest.skip(
+            f"{model_class.__name__} of transformers {transformers.__version__} computes "
+            f"attention in its own code, not through the attention interface: the backend "
+            f"refuses it (support.check_transformers_can_run)"
+        )
+
+
 def _hf_greedy(hf_model: nn.Module, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(  # type: ignore[operator]
@@ -117,6 +135,7 @@ def _built_model(llm: LLM) -> nn.Module:
 def test_greedy_equals_transformers_generate(case: str, tmp_path: Path) -> None:
     """Continuous batching of 4 prompts, chunked prefill (budget 16 < 37 tokens), then a
     prefix-cache hit: every token equals transformers' greedy `generate`."""
+    _skip_unless_the_backend_runs(CONFIGS[case])
     hf_model = _save_tiny(CONFIGS[case], tmp_path)
     llm = LLM(str(tmp_path), model_impl="transformers", **LLM_OPTIONS)
     assert isinstance(_built_model(llm), TransformersForCausalLM)
@@ -211,3 +230,21 @@ def test_options_the_backend_does_not_support(tmp_path: Path) -> None:
         EngineArgs(**args, quantization="fp8").create_engine_config()
     with pytest.raises(ValueError, match="model_impl must be one of"):
         EngineArgs(**(args | {"model_impl": "hf"})).create_engine_config()
+
+
+def test_transformers_too_old_for_the_backend_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyproject allows transformers 4.x (enough for native models' configs and tokenizers);
+    the backend relies on 5.x's attention and mask interfaces: one line naming both versions
+    instead of a crash deep in transformers. Native models still resolve."""
+    # The module `import transformers` gives now: in 5.17, importing processing_utils re-runs
+    # transformers' __init__ and replaces sys.modules["transformers"] with a new module.
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.46.0")
+    gemma = transformers.GemmaConfig(**_COMMON, architectures=["GemmaForCausalLM"])
+    message = r"needs transformers >= 5\.0, installed: 4\.46\.0"
+    with pytest.raises(UnsupportedModelError, match=message) as e:
+        check_model_impl(gemma, "auto")
+    assert "['GemmaForCausalLM']" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UnsupportedModelError, match=message):
+        TransformersForCausalLM(gemma)
+    llama = transformers.LlamaConfig(**_COMMON, architectures=["LlamaForCausalLM"])
+    assert check_model_impl(llama, "auto") == "pagedserve"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from torch import nn
 from transformers import masking_utils
 
 from pagedserve import LLM
@@ -143,3 +144,41 @@ def test_checkpoint_needing_tensor_conversion_says_so(tmp_path: Path) -> None:
     _save_tiny(transformers.MixtralConfig(**_SMALL, num_local_experts=2), tmp_path)
     with pytest.raises(UnsupportedModelError, match="merges or splits this architecture's"):
         LLM(str(tmp_path), model_impl="transformers", **LLM_OPTIONS)
+
+
+@pytest.mark.parametrize("hidden", ["softcap", "scaling"])
+def test_attention_the_call_does_not_show_is_refused(
+    hidden: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transformers version whose Gemma 2 eager attention takes its soft cap (or scale) from
+    the module rather than from the call's arguments: paged attention built from the call
+    would run uncapped (or at 1/sqrt(head_dim) instead of 1/sqrt(24)) and give other tokens
+    silently, as the 5.17 SDPA reference differed by 3.56 in the logits. The construction-time
+    comparison with the model's eager attention refuses it."""
+    from transformers.models.gemma2 import modeling_gemma2
+
+    eager = modeling_gemma2.eager_attention_forward
+
+    def eager_from_module(module: nn.Module, *args: object, **kwargs: object) -> object:
+        if hidden == "softcap":
+            kwargs["softcap"] = module.config.attn_logit_softcapping
+        else:
+            kwargs["scaling"] = module.config.query_pre_attn_scalar**-0.5
+        return eager(module, *args, **kwargs)
+
+    init = modeling_gemma2.Gemma2Attention.__init__
+
+    def init_without(self: nn.Module, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        if hidden == "softcap":
+            self.attn_logit_softcapping = None  # the call passes softcap=None
+        else:
+            self.scaling = None  # the call passes scaling=None
+
+    monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", eager_from_module)
+    monkeypatch.setattr(modeling_gemma2.Gemma2Attention, "__init__", init_without)
+    config = transformers.Gemma2Config(
+        **_SMALL, sliding_window=6, attn_logit_softcapping=5.0, query_pre_attn_scalar=24
+    )
+    with pytest.raises(UnsupportedModelError, match="computes something other than paged"):
+        _build(config)

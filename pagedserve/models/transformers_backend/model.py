@@ -21,7 +21,11 @@ from pagedserve.models.transformers_backend.attention import (
     register_attention,
 )
 from pagedserve.models.transformers_backend.probe import mask_probe, probe_records
-from pagedserve.models.transformers_backend.support import causal_lm_class
+from pagedserve.models.transformers_backend.support import (
+    causal_lm_class,
+    check_transformers_version,
+)
+from pagedserve.models.transformers_backend.verify import check_attention_semantics, scratch_step
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,8 @@ class TransformersForCausalLM(nn.Module):
     `model.layers.0.self_attn.q_proj.weight`), and `paged_attention[i]` is the `Attention`
     module (owning the KV cache) of the transformers attention module whose `layer_idx` is i.
     Each layer's heads, head size, scale, sliding window and soft cap are read from one
-    2-token probe forward at construction, i.e. from what the model's own code passes.
+    2-token probe forward at construction, i.e. from what the model's own code passes, and
+    checked against the model's own eager attention (`verify.check_attention_semantics`).
 
     The flat step goes in as one row: input_ids and position_ids [1, num_tokens]. Logits come
     from the causal LM's own forward over the given hidden states (its lm_head, tied or not,
@@ -46,7 +51,8 @@ class TransformersForCausalLM(nn.Module):
     logit_scale), with the base model swapped for a pass-through.
 
     Raises ValueError under tensor parallelism (this backend runs on one rank) and
-    UnsupportedModelError for a model whose attention the paged kernels cannot serve.
+    UnsupportedModelError for a model whose attention the paged kernels cannot serve, or a
+    transformers older than `support.MIN_TRANSFORMERS_VERSION`.
     """
 
     supports_quantization: ClassVar[bool] = False
@@ -63,6 +69,7 @@ class TransformersForCausalLM(nn.Module):
                 f"tensor_parallel_size {get_tp_size()} needs a native model (model_impl "
                 f"'pagedserve')"
             )
+        check_transformers_version()
         register_attention()
         # transformers sets the attention implementation on the config it is given: a copy
         # keeps the engine's config (shared in-process) as the user's.
@@ -118,7 +125,8 @@ class TransformersForCausalLM(nn.Module):
         transformers' masks as markers: `probe.mask_probe`); then the logits head runs once
         on its output, which must not attend again (an encoder-decoder's head that reruns
         the decoder) nor fail. Raises UnsupportedModelError for what `probe.record_call`
-        refuses and for those heads."""
+        refuses, for those heads, and for a layer whose eager attention computes otherwise
+        than paged attention with the probed spec (`verify.check_attention_semantics`)."""
         device = next(iter(self.parameters())).device
         ids = torch.zeros(1, 2, dtype=torch.int64, device=device)
         positions = torch.arange(2, device=device)[None]
@@ -144,6 +152,7 @@ class TransformersForCausalLM(nn.Module):
                 f"that compute attention themselves, e.g. with ALiBi, or mix in recurrent "
                 f"layers, are not supported)"
             )
+        check_attention_semantics([specs[i] for i in range(len(specs))], class_name)
         return [
             Attention(
                 spec.num_heads,
@@ -176,10 +185,10 @@ class TransformersForCausalLM(nn.Module):
             layer.backend = TorchAttentionBackend()
         try:
             with torch.no_grad():
-                whole = self(ids, torch.arange(6, device=device), _scratch_step(0, 6, device))
-                self(ids[:3], torch.arange(3, device=device), _scratch_step(0, 3, device))
+                whole = self(ids, torch.arange(6, device=device), scratch_step(0, 6, device))
+                self(ids[:3], torch.arange(3, device=device), scratch_step(0, 3, device))
                 second = self(
-                    ids[3:], torch.arange(3, 6, device=device), _scratch_step(3, 3, device)
+                    ids[3:], torch.arange(3, 6, device=device), scratch_step(3, 3, device)
                 )
         finally:
             for layer in self._layers_by_index:
@@ -272,24 +281,6 @@ class TransformersForCausalLM(nn.Module):
         if checkpoint_name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")):
             return True
         return any(pattern.search(checkpoint_name) for pattern in self._ignored_names)
-
-
-def _scratch_step(num_computed: int, num_new: int, device: torch.device) -> AttentionMetadata:
-    """The metadata of one request feeding `num_new` tokens after `num_computed`, in blocks
-    0 and 1 of 4 slots (`_check_incremental`'s scratch cache)."""
-    seq_len = num_computed + num_new
-    query_start_loc = torch.tensor([0, num_new], dtype=torch.int32)
-    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
-    return AttentionMetadata(
-        query_start_loc=query_start_loc.to(device),
-        seq_lens=seq_lens.to(device),
-        block_tables=torch.tensor([[0, 1]], dtype=torch.int32, device=device),
-        slot_mapping=torch.arange(num_computed, seq_len, device=device),
-        max_query_len=num_new,
-        max_seq_len=seq_len,
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens,
-    )
 
 
 def _checkpoint_renamings(hf_model: nn.Module) -> tuple[list[Any], bool]:

@@ -9,11 +9,19 @@ off that predicate. That is the window transformers' eager and SDPA attention ap
 models that put it only in the mask (e.g. PhiMoE), and a mask that is no causal sliding window
 (chunked or bidirectional attention) is refused rather than silently run as causal. Outside the
 probe no mask function is registered, so transformers builds no mask at all.
+
+Each record also keeps the layer's reference: the model's own `eager_attention_forward` (the
+function transformers runs for `attn_implementation="eager"`) bound to the module and the
+exact arguments of the call. `verify.check_attention_semantics` runs it against paged
+attention with the recorded spec, so that what the call's arguments do not show (a soft cap,
+scale or sink that the eager code reads off the module, in some transformers version) is
+refused instead of silently computed otherwise.
 """
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +50,12 @@ _IGNORED_KWARGS = frozenset(
         "layer_head_mask",
     }
 )
+# Arguments that describe the probe forward's token layout, not the attention: left out of the
+# reference call, which runs on other tokens.
+_LAYOUT_KWARGS = frozenset(
+    {"position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k"}
+    | {"max_length_q", "max_length_k"}
+)
 # Query positions at which a layer's mask predicate is evaluated (against every key 0..last):
 # windows up to _LAST_POSITION + 1 keys wide are told apart from full attention.
 _LAST_POSITION = 2**18
@@ -58,6 +72,10 @@ class LayerSpec:
     scale: float
     sliding_window: int | None
     logits_soft_cap: float | None
+    # The model's eager attention with this call's arguments: (query [1, heads, T, head_dim],
+    # key, value [1, kv_heads, T, head_dim], additive mask [1, 1, T, T]) -> [1, T, heads,
+    # head_dim].
+    reference: Callable[..., torch.Tensor] = field(compare=False, repr=False)
 
 
 class _MaskMarker(torch.Tensor):
@@ -189,6 +207,7 @@ def record_call(
             f"sinks or a position bias), which paged attention does not implement; the "
             f"transformers backend cannot run this model"
         )
+    call_window = sliding_window
     if isinstance(attention_mask, _MaskMarker):
         sliding_window = mask_window(attention_mask.mask_function, name)
     elif attention_mask is not None:
@@ -199,6 +218,7 @@ def record_call(
         )
     elif sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
+    reference = _eager_reference(module, name, scaling, call_window, softcap, kwargs)
     head_dim = query.shape[-1]
     _records[layer_idx] = LayerSpec(
         num_heads=query.shape[1],
@@ -207,4 +227,37 @@ def record_call(
         scale=float(scaling) if scaling is not None else head_dim**-0.5,
         sliding_window=int(sliding_window) if sliding_window else None,
         logits_soft_cap=float(softcap) if softcap else None,
+        reference=reference,
     )
+
+
+def _eager_reference(
+    module: torch.nn.Module,
+    name: str,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    kwargs: dict[str, Any],
+) -> Callable[..., torch.Tensor]:
+    """The module's modeling code's `eager_attention_forward` bound to `module` and the call's
+    arguments (those the call gave; dropout 0). Raises UnsupportedModelError when that code
+    has none: then nothing tells what the module's attention computes."""
+    modeling = sys.modules.get(type(module).__module__)
+    eager = getattr(modeling, "eager_attention_forward", None)
+    if not callable(eager):
+        raise UnsupportedModelError(
+            f"{name}'s modeling code ({type(module).__module__}) has no "
+            f"eager_attention_forward, the reference the transformers backend checks paged "
+            f"attention against; it cannot run this model"
+        )
+    given = {"scaling": scaling, "sliding_window": sliding_window, "softcap": softcap}
+    call = {k: v for k, v in kwargs.items() if k not in _LAYOUT_KWARGS}
+    call |= {k: v for k, v in given.items() if v is not None} | {"dropout": 0.0}
+
+    def reference(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        output: torch.Tensor = eager(module, query, key, value, mask, **call)[0]
+        return output
+
+    return reference

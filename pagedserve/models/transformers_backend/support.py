@@ -10,6 +10,25 @@ from typing import Any
 
 from pagedserve.errors import UnsupportedModelError
 
+# The oldest transformers the backend runs on: it relies on 5.x's attention and mask
+# interfaces (masking_utils mask functions, `dtype=` at construction, checkpoint renamings).
+MIN_TRANSFORMERS_VERSION = "5.0"
+
+
+def check_transformers_version(model: str = "this model") -> None:
+    """Raise UnsupportedModelError (one line naming `model`, the installed and the needed
+    version) when the installed transformers is older than MIN_TRANSFORMERS_VERSION."""
+    import transformers
+    from packaging.version import Version
+
+    installed = transformers.__version__
+    if Version(installed) < Version(MIN_TRANSFORMERS_VERSION):
+        raise UnsupportedModelError(
+            f"the transformers backend (model_impl 'transformers'), which runs {model}, needs "
+            f"transformers >= {MIN_TRANSFORMERS_VERSION}, installed: {installed} (pip install "
+            f"-U 'transformers>={MIN_TRANSFORMERS_VERSION}')"
+        )
+
 
 def causal_lm_architectures() -> dict[str, str]:
     """transformers' AutoModelForCausalLM table: model_type -> class name
@@ -64,6 +83,7 @@ def check_transformers_can_run(
     checkpoint (`auto_map`, trust_remote_code) are not run by this backend."""
     import transformers
 
+    check_transformers_version(f"model architectures {architectures}")
     table = causal_lm_architectures()
     names = set(table.values())
     if (architectures and any(a in names for a in architectures)) or (
