@@ -65,18 +65,21 @@ def check_model_impl(
     hf_config: Any, model_impl: str, tensor_parallel_size: int = 1, quantization: str | None = None
 ) -> str:
     """`resolve_model_impl` for a config, checked against the engine options before any worker
-    starts: the transformers backend runs on one rank and unquantized weights only.
+    starts: the transformers backend runs unquantized weights only, and on several ranks only
+    models with a tensor-parallel plan.
 
     Returns "pagedserve" or "transformers". Raises UnsupportedModelError as
-    `resolve_model_impl`, ValueError for tensor_parallel_size > 1 or a quantization method
-    with the transformers backend (each naming the option and the way out).
+    `resolve_model_impl`, ValueError for tensor_parallel_size > 1 without a TP plan or a
+    quantization method with the transformers backend (each naming the option and the way out).
     """
     architectures = list(getattr(hf_config, "architectures", None) or [])
     impl = resolve_model_impl(architectures, model_impl, hf_config)
     if impl == "transformers":
         from pagedserve.models.transformers_backend.support import check_transformers_options
 
-        check_transformers_options(architectures, model_impl, tensor_parallel_size, quantization)
+        check_transformers_options(
+            architectures, model_impl, tensor_parallel_size, quantization, hf_config
+        )
     return impl
 
 

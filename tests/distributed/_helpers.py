@@ -74,10 +74,12 @@ CONFIGS: dict[str, transformers.PretrainedConfig] = {
 }
 
 
-def save_tiny_model(name: str, path: Path) -> Path:
-    """Save CONFIGS[name] with seeded random weights as an HF folder (no tokenizer)."""
+def save_tiny_model(name: str | transformers.PretrainedConfig, path: Path) -> Path:
+    """Save CONFIGS[name] (or the config given) with seeded random weights as an HF folder
+    (no tokenizer)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name], dtype=torch.float32)
+    config = CONFIGS[name] if isinstance(name, str) else name
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     return path
 

@@ -224,8 +224,13 @@ def test_architecture_neither_backend_runs_lists_what_is_supported() -> None:
 def test_options_the_backend_does_not_support(tmp_path: Path) -> None:
     _save_tiny(CONFIGS["gemma"], tmp_path)
     args = dict(model=str(tmp_path), model_impl="transformers", device="cpu")
-    with pytest.raises(ValueError, match="tensor_parallel_size must be 1, got 2"):
-        EngineArgs(**args, tensor_parallel_size=2).create_engine_config()
+    # Tensor parallelism needs a TP plan: Gemma has one (tests/distributed/
+    # test_transformers_tensor_parallel.py), StableLM none.
+    EngineArgs(**args, tensor_parallel_size=2).create_engine_config()
+    _save_tiny(CONFIGS["stablelm"], tmp_path / "stablelm")
+    no_plan = args | {"model": str(tmp_path / "stablelm")}
+    with pytest.raises(ValueError, match="has none: tensor_parallel_size must be 1, got 2"):
+        EngineArgs(**no_plan, tensor_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="quantization 'fp8' is not supported"):
         EngineArgs(**args, quantization="fp8").create_engine_config()
     with pytest.raises(ValueError, match="model_impl must be one of"):

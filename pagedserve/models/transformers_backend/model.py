@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.distributed.parallel_state import get_tp_size
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.attention import Attention
-from pagedserve.layers.linear import default_weight_loader
+from pagedserve.layers.linear import get_weight_loader
 from pagedserve.models.transformers_backend.attention import (
     ATTN_IMPLEMENTATION,
     forward_context,
@@ -25,6 +24,7 @@ from pagedserve.models.transformers_backend.support import (
     causal_lm_class,
     check_transformers_version,
 )
+from pagedserve.models.transformers_backend.tensor_parallel import shard_model
 from pagedserve.models.transformers_backend.verify import check_attention_semantics, scratch_step
 
 logger = logging.getLogger(__name__)
@@ -50,9 +50,11 @@ class TransformersForCausalLM(nn.Module):
     and whatever it does after: Gemma's final soft-capping, Granite's logits_scaling, Cohere's
     logit_scale), with the base model swapped for a pass-through.
 
-    Raises ValueError under tensor parallelism (this backend runs on one rank) and
-    UnsupportedModelError for a model whose attention the paged kernels cannot serve, or a
-    transformers older than `support.MIN_TRANSFORMERS_VERSION`.
+    Under tensor parallelism the linears that the model's TP plan splits become column- /
+    row-parallel layers (`tensor_parallel.shard_model`) before the probe, so each rank's
+    attention layers get its share of the heads. Raises ValueError for tensor parallelism
+    without a usable TP plan and UnsupportedModelError for a model whose attention the paged
+    kernels cannot serve, or a transformers older than `support.MIN_TRANSFORMERS_VERSION`.
     """
 
     supports_quantization: ClassVar[bool] = False
@@ -63,12 +65,6 @@ class TransformersForCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
-        if get_tp_size() > 1:
-            raise ValueError(
-                f"the transformers backend (model_impl 'transformers') runs on one rank; "
-                f"tensor_parallel_size {get_tp_size()} needs a native model (model_impl "
-                f"'pagedserve')"
-            )
         check_transformers_version()
         register_attention()
         # transformers sets the attention implementation on the config it is given: a copy
@@ -85,6 +81,7 @@ class TransformersForCausalLM(nn.Module):
                 f"base_model_prefix); the transformers backend cannot run it"
             )
         self.base_model_name = prefix
+        shard_model(hf_model, prefix)  # tensor parallelism by the model's TP plan (tp > 1)
         for name, child in hf_model.named_children():
             self.add_module(name, child)
         self._renamings, self._converts = _checkpoint_renamings(hf_model)
@@ -256,7 +253,7 @@ class TransformersForCausalLM(nn.Module):
                     f"{type(self._logits_head).__name__}; {why}"
                 )
             param = params[name]
-            default_weight_loader(param, tensor)
+            get_weight_loader(param)(param, tensor)  # sharded linears take their rank's part
             loaded.add(canonical[id(param)])
         return loaded
 

@@ -117,16 +117,24 @@ def check_transformers_can_run(
 
 
 def check_transformers_options(
-    architectures: list[str], model_impl: str, tensor_parallel_size: int, quantization: str | None
+    architectures: list[str],
+    model_impl: str,
+    tensor_parallel_size: int,
+    quantization: str | None,
+    hf_config: Any = None,
 ) -> None:
-    """Raise ValueError for the engine options this backend does not support yet: tensor
-    parallelism and quantized weights (each message names the option and the way out)."""
+    """Raise ValueError for the engine options this backend does not support: tensor
+    parallelism for a model whose transformers config has no TP plan (`base_model_tp_plan`;
+    the styles in it are checked when the model is built, `tensor_parallel.shard_model`) and
+    quantized weights (each message names the option and the way out)."""
     how = f"model architectures {architectures} run with the transformers backend (model_impl "
     how += f"{model_impl!r})"
-    if tensor_parallel_size > 1:
+    if tensor_parallel_size > 1 and not getattr(hf_config, "base_model_tp_plan", None):
         raise ValueError(
-            f"{how}, which runs on one rank: tensor_parallel_size must be 1, got "
-            f"{tensor_parallel_size} (tensor parallelism needs a native model)"
+            f"{how}, which splits a model over ranks only by its transformers tensor-parallel "
+            f"plan (base_model_tp_plan), and this model's config has none: "
+            f"tensor_parallel_size must be 1, got {tensor_parallel_size} (or use a native "
+            f"model, model_impl 'pagedserve')"
         )
     if quantization is not None:
         raise ValueError(
