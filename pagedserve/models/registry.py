@@ -69,10 +69,22 @@ def check_model_impl(
     models with a tensor-parallel plan.
 
     Returns "pagedserve" or "transformers". Raises UnsupportedModelError as
-    `resolve_model_impl`, ValueError for tensor_parallel_size > 1 without a TP plan or a
-    quantization method with the transformers backend (each naming the option and the way out).
+    `resolve_model_impl`, and for a multimodal config (its language model in `text_config`);
+    ValueError for tensor_parallel_size > 1 without a TP plan or a quantization method with
+    the transformers backend (each naming the option and the way out).
     """
     architectures = list(getattr(hf_config, "architectures", None) or [])
+    if getattr(hf_config, "text_config", None) is not None and not hasattr(
+        hf_config, "vocab_size"
+    ):
+        # A composite (e.g. vision-language) config: the text model's fields live one level
+        # down, where neither backend looks (transformers maps some of these
+        # *ForConditionalGeneration classes into AutoModelForCausalLM).
+        raise UnsupportedModelError(
+            f"model architectures {architectures} are a multimodal model (config.json nests "
+            f"its language model in text_config); vision-language models are not supported "
+            f"yet; a text-only checkpoint of the family (e.g. Gemma3ForCausalLM) runs"
+        )
     impl = resolve_model_impl(architectures, model_impl, hf_config)
     if impl == "transformers":
         from pagedserve.models.transformers_backend.support import check_transformers_options

@@ -33,7 +33,7 @@ _COMMON = dict(
     num_attention_heads=4,
     max_position_embeddings=128,
 )
-# Architectures without native code here (GPT-J, OLMo and Gemma 2 beyond the eight asked for;
+# Architectures run through the backend (GPT-J, OLMo and Gemma 2 beyond the eight asked for;
 # Gemma 2 and Mistral exercise per-layer sliding windows and soft-capping).
 CONFIGS: dict[str, PretrainedConfig] = {
     "gemma": transformers.GemmaConfig(**_COMMON, num_key_value_heads=2, head_dim=16),
@@ -219,6 +219,17 @@ def test_architecture_neither_backend_runs_lists_what_is_supported() -> None:
     falcon = transformers.FalconConfig(architectures=["FalconForCausalLM"])
     with pytest.raises(UnsupportedModelError, match="FalconForCausalLM computes attention"):
         check_model_impl(falcon, "transformers")
+
+
+@pytest.mark.parametrize("model_impl", ["auto", "transformers", "pagedserve"])
+def test_multimodal_config_is_refused_in_one_line(model_impl: str) -> None:
+    """Gemma3ForConditionalGeneration (how google/gemma-3-4b-it is saved) is mapped into
+    AutoModelForCausalLM by transformers, but its config keeps the language model in
+    text_config: it crashed the worker with "no attribute 'vocab_size'"; now one error, for
+    every model_impl, before any worker starts."""
+    config = transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"])
+    with pytest.raises(UnsupportedModelError, match="multimodal model .* text_config"):
+        check_model_impl(config, model_impl)
 
 
 def test_options_the_backend_does_not_support(tmp_path: Path) -> None:

@@ -257,7 +257,21 @@ def _eager_reference(
     def reference(
         query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        output: torch.Tensor = eager(module, query, key, value, mask, **call)[0]
+        # Under tensor parallelism a rank holds num_heads / tp query heads and its KV heads
+        # (replicated when fewer than the ranks), so the module's config-wide
+        # num_key_value_groups need not match this rank's ratio: the keys are expanded to
+        # one per query head here, and the eager code told to repeat nothing.
+        groups = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+        saved = getattr(module, "num_key_value_groups", None)
+        if saved is not None:
+            setattr(module, "num_key_value_groups", 1)  # noqa: B010 (an int, not a Module)
+        try:
+            output: torch.Tensor = eager(module, query, key, value, mask, **call)[0]
+        finally:
+            if saved is not None:
+                setattr(module, "num_key_value_groups", saved)  # noqa: B010
         return output
 
     return reference
