@@ -74,9 +74,7 @@ def check_model_impl(
     the transformers backend (each naming the option and the way out).
     """
     architectures = list(getattr(hf_config, "architectures", None) or [])
-    if getattr(hf_config, "text_config", None) is not None and not hasattr(
-        hf_config, "vocab_size"
-    ):
+    if getattr(hf_config, "text_config", None) is not None and not hasattr(hf_config, "vocab_size"):
         # A composite (e.g. vision-language) config: the text model's fields live one level
         # down, where neither backend looks (transformers maps some of these
         # *ForConditionalGeneration classes into AutoModelForCausalLM).
