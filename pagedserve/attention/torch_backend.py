@@ -104,15 +104,14 @@ class TorchAttentionBackend:
         cols = torch.arange(md.max_query_len, device=device)
         query_positions = (md.seq_lens - query_lens)[:, None] + cols[None, :]  # [R, Q]
         key_positions = torch.arange(md.max_seq_len, device=device)
+        mask = key_positions[None, None, :] <= query_positions[:, :, None]  # [R, Q, S]
         if sliding_window is not None:
+            mask &= key_positions[None, None, :] > query_positions[:, :, None] - sliding_window
             # Keys before every query's window may sit in blocks the KV manager freed (any
             # content, NaN included): zero them, as a masked score times NaN would be NaN.
             first_key = md.seq_lens - query_lens - sliding_window + 1  # [R]
             stale = (key_positions[None, :] < first_key[:, None])[:, :, None, None]
             keys, values = keys.masked_fill(stale, 0), values.masked_fill(stale, 0)
-        mask = key_positions[None, None, :] <= query_positions[:, :, None]  # [R, Q, S]
-        if sliding_window is not None:
-            mask &= key_positions[None, None, :] > query_positions[:, :, None] - sliding_window
         # Padded query rows would otherwise be all-masked (NaN); their output is dropped.
         padded_rows = cols[None, :] >= query_lens[:, None]  # [R, Q]
         mask[:, :, 0] |= padded_rows
