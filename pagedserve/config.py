@@ -28,6 +28,10 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # vLLM's `--kv-cache-dtype` values that we support: "fp8" and "fp8_e4m3" are e4m3 (float8_e4m3fn).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's; also InputProcessor's default
+# vLLM's `--structured-outputs-config.backend` values that we have (issue 17).
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+# vLLM's `--reasoning-parser` names that we have; pagedserve.reasoning registers each.
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -383,6 +387,38 @@ def cuda_index(device: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """Constrained decoding (vLLM's StructuredOutputsConfig) and the reasoning parser, whose
+    end-of-thinking marker is where a constrained answer starts."""
+
+    structured_outputs_backend: str = option(
+        "auto",
+        help="grammar engine of structured outputs (response_format, structured_outputs, "
+        "guided_*): auto or xgrammar",
+        cli={"choices": STRUCTURED_OUTPUTS_BACKENDS},
+    )
+    reasoning_parser: str | None = option(
+        None,
+        help="splits the model's thinking text from its answer (the message's "
+        "reasoning_content); a constrained answer starts after the thinking ends",
+        default_text="none",
+        cli={"choices": REASONING_PARSERS},
+    )
+
+    def __post_init__(self) -> None:
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, got "
+                f"{self.structured_outputs_backend!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, got "
+                f"{self.reasoning_parser!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All of the above, as one object handed to the engine's parts; checks the options that
     depend on each other or on the model."""
@@ -392,6 +428,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def __post_init__(self) -> None:
         _check_tensor_parallel_size(

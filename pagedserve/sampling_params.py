@@ -9,6 +9,9 @@ from enum import Enum
 import pagedserve.envs as envs
 from pagedserve.beam_search_params import BeamSearchParams as BeamSearchParams
 from pagedserve.param_checks import check, is_int, is_number, is_unicode
+from pagedserve.structured_outputs_params import (
+    StructuredOutputsParams as StructuredOutputsParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,8 @@ class SamplingParams:
     allowed_token_ids: when given, only these tokens can be generated.
     truncate_prompt_tokens: keep only the last k prompt tokens (-1: the model's max_model_len).
     output_kind: what each RequestOutput carries (cumulative, delta or final only).
+    structured_outputs: a constraint the output must satisfy (JSON schema, regex, choice,
+        grammar; see StructuredOutputsParams).
     """
 
     n: int = 1
@@ -109,6 +114,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine, not by users: EOS ids of the model (tokenizer + generation_config),
     # and the token ids of each bad word (with and without a leading space).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)

@@ -79,6 +79,7 @@ LEAVES = {
     "pagedserve.param_checks",
     "pagedserve.beam_search_params",
     "pagedserve.sampling_params",
+    "pagedserve.structured_outputs_params",
     "pagedserve.config",
     "pagedserve.quant_config",
     "pagedserve.quant_files",

@@ -19,6 +19,7 @@ from pagedserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     cuda_index,
     get_model_max_len,
     is_option,
@@ -94,7 +95,14 @@ def _options_from(*configs: Any) -> Callable[[type[_T]], type[_T]]:
 
 
 @dataclass(slots=True)
-@_options_from(ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
+@_options_from(
+    ModelConfig,
+    CacheConfig,
+    SchedulerConfig,
+    ParallelConfig,
+    DeviceConfig,
+    StructuredOutputsConfig,
+)
 class EngineArgs:
     """Options of `LLM(...)`, `LLMEngine` and the CLI, named as vLLM's `EngineArgs`.
 
@@ -135,6 +143,8 @@ class EngineArgs:
     device: str = _FROM_CONFIG
     attention_backend: str = _FROM_CONFIG
     enforce_eager: bool = _FROM_CONFIG
+    structured_outputs_backend: str = _FROM_CONFIG
+    reasoning_parser: str | None = _FROM_CONFIG
 
     def __post_init__(self) -> None:
         # A path object names a folder as well as a string does.
@@ -191,6 +201,7 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             parallel_config=parallel_config,
             device_config=device_config,
+            structured_outputs_config=self._build(StructuredOutputsConfig),
         )
 
     def _build_model_config(self) -> ModelConfig:

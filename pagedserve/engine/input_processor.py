@@ -127,6 +127,11 @@ class InputProcessor:
 
     def _check_sampling_params(self, params: SamplingParams) -> None:
         """The checks that need the model: token ids inside the vocabulary, max_logprobs."""
+        if params.structured_outputs is not None:
+            # Issue 17 is building the grammar engine; until it lands, refuse, never ignore.
+            raise InvalidRequestError(
+                "structured_outputs is not supported yet", param="structured_outputs"
+            )
         token_id_lists = {
             "stop_token_ids": params.stop_token_ids or [],
             "logit_bias": list(params.logit_bias or {}),
