@@ -1,7 +1,8 @@
 """GPU end to end with sliding windows: the Triton kernels (CUDA graphs, eager, async
 scheduling off) give the CPU torch backend's greedy tokens, while the KV manager frees the
 blocks that leave the window (Mistral) or keeps them all (Qwen2 with a window on some layers).
-The CPU run itself equals transformers (tests/entrypoints/test_llm_greedy.py)."""
+Gemma 2 and Gemma 3 (native models: soft caps, alternating window layers) too. The CPU
+run itself equals transformers (tests/entrypoints/test_llm_greedy.py, tests/models)."""
 
 import random
 from pathlib import Path
@@ -29,6 +30,16 @@ def save_tiny_model(path: Path, kind: str, window: int) -> Path:
     )  # fmt: skip
     if kind == "mistral":
         config = transformers.MistralConfig(**common)
+    elif kind == "gemma2":  # windowed and full layers alternate; attention and final soft caps
+        config = transformers.Gemma2Config(
+            **common, head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0, tie_word_embeddings=False,
+        )  # fmt: skip
+    elif kind == "gemma3":  # 5 windowed layers, then a full one with its own RoPE base
+        common["num_hidden_layers"] = 6
+        config = transformers.Gemma3TextConfig(
+            **common, head_dim=16, query_pre_attn_scalar=16, tie_word_embeddings=False
+        )
     else:  # Qwen2 with the window on layer 1 only: mixed layers keep every block
         config = transformers.Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)
     torch.manual_seed(0)
@@ -40,7 +51,13 @@ def save_tiny_model(path: Path, kind: str, window: int) -> Path:
 
 @pytest.mark.parametrize(
     "kind,window,block_size,prompt_len,max_tokens",
-    [("mistral", 8, 4, 30, 20), ("mistral", 40, 16, 100, 80), ("qwen2", 24, 16, 60, 40)],
+    [
+        ("mistral", 8, 4, 30, 20),
+        ("mistral", 40, 16, 100, 80),
+        ("qwen2", 24, 16, 60, 40),
+        ("gemma2", 24, 16, 60, 40),
+        ("gemma3", 16, 16, 60, 40),
+    ],
 )
 def test_sliding_window_gpu_equals_cpu(
     tmp_path: Path, kind: str, window: int, block_size: int, prompt_len: int, max_tokens: int
@@ -60,8 +77,8 @@ def test_sliding_window_gpu_equals_cpu(
             num_gpu_blocks_override=64, max_num_batched_tokens=64, max_num_seqs=8,
             enable_prefix_caching=True, **kwargs,  # type: ignore[arg-type]
         )  # fmt: skip
-        expected_window = window if kind == "mistral" else None
-        assert llm.llm_engine.engine_core.sliding_window == expected_window
+        if kind == "mistral":  # mixed layers keep every block
+            assert llm.llm_engine.engine_core.sliding_window == window
         tokens = []
         for _ in range(2):  # the second round hits the prefix cache
             outputs = llm.generate(prompts, params, use_tqdm=False)
