@@ -373,7 +373,10 @@ def main() -> None:
     )  # fmt: skip
     copy_bw = copy_bandwidth()
     print(json.dumps(dict(kind="copy", tb_per_s=round(copy_bw / 1e12, 3), **header)), flush=True)
-    cache = Cache(num_tokens=256 * 8192 if not args.quick else 64 * 8192)
+    num_tokens = 256 * 8192 if not args.quick else 64 * 8192
+    if SLIDING_WINDOW is not None:  # bench_decode's long-context rows: 16 x 65,536 tokens
+        num_tokens = max(num_tokens, 16 * 65536)
+    cache = Cache(num_tokens=num_tokens)
     rows: list[dict[str, Any]] = []
     bench_decode(cache, copy_bw, rows, args.quick)
     bench_prefill(cache, rows, args.quick)
