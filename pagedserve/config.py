@@ -306,7 +306,20 @@ class ParallelConfig:
     """How the model is spread over devices (tensor parallelism)."""
 
     tensor_parallel_size: int = option(
-        1, help="number of tensor-parallel ranks (each holds a 1/size shard of every layer)"
+        1,
+        help="number of tensor-parallel ranks (each holds a 1/size shard of every layer)",
+        cli={"aliases": ["-tp"]},
+    )
+    # vLLM's -pp / -dp spellings parse; sizes above 1 are refused until issue 19 builds them.
+    pipeline_parallel_size: int = option(
+        1,
+        help="number of pipeline stages (only 1: pipeline parallelism is not built yet)",
+        cli={"aliases": ["-pp"]},
+    )
+    data_parallel_size: int = option(
+        1,
+        help="number of engine replicas (only 1: data parallelism is not built yet)",
+        cli={"aliases": ["-dp"]},
     )
     distributed_executor_backend: str | None = option(
         None,
@@ -325,6 +338,12 @@ class ParallelConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(
+                    f"{name} must be 1: {name.split('_')[0]} parallelism is not supported yet "
+                    f"(got {getattr(self, name)}); tensor_parallel_size splits a model over GPUs"
+                )
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(

@@ -138,6 +138,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = _FROM_CONFIG
     async_scheduling: bool | None = _FROM_CONFIG
     tensor_parallel_size: int = _FROM_CONFIG
+    pipeline_parallel_size: int = _FROM_CONFIG
+    data_parallel_size: int = _FROM_CONFIG
     distributed_executor_backend: str | None = _FROM_CONFIG
     distributed_timeout_s: float = _FROM_CONFIG
     device: str = _FROM_CONFIG

@@ -5,7 +5,13 @@ import logging
 import sys
 
 from pagedserve.engine.arg_utils import engine_args_from_namespace
-from pagedserve.entrypoints.openai.cli_args import add_engine_args, add_server_args
+from pagedserve.entrypoints.argv import normalize_argv
+from pagedserve.entrypoints.openai.cli_args import (
+    add_config_flag,
+    add_engine_args,
+    add_server_args,
+)
+from pagedserve.version import __version__
 
 # `pagedserve generate`'s own defaults, for what neither a flag nor the model's
 # generation_config.json sets (64 greedy tokens).
@@ -58,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedserve",
         description="High-throughput LLM inference with PagedAttention (vLLM-compatible).",
     )
+    parser.add_argument("--version", action="version", version=f"pagedserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser(
         "generate",
@@ -72,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, help="top-k, 0 = off (default: 0)")
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     gen.add_argument("--stop", action="append", help="a stop string (repeat for several)")
+    add_config_flag(gen)
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
     serve = sub.add_parser(
@@ -101,8 +109,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = normalize_argv(sys.argv[1:] if argv is None else argv, parser)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's (argparse's default)
+        subcommand = _subparsers(parser)[args.command]
+        subcommand.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args))
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands' parsers by name."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ argparse flags and as Markdown tables for the docs.
 A field `max_model_len` becomes the flag `--max-model-len` (vLLM's spelling) with the field's
 default and help; a bool becomes `--flag/--no-flag` (argparse.BooleanOptionalAction) unless the
 field's `cli` says otherwise (e.g. `{"action": "store_true"}`); the type comes from the
-annotation (`int | None` -> int). Import rule: only `pagedserve.config`.
+annotation (`int | None` -> int). Import rule: only `pagedserve.config`
+and `pagedserve.entrypoints.argv`.
 """
 
 import argparse
@@ -13,6 +14,7 @@ import typing
 from typing import Any
 
 from pagedserve.config import is_option, option_default
+from pagedserve.entrypoints.argv import human_int
 
 MARKER = "<!-- {name}:{end} -->"
 
@@ -54,9 +56,12 @@ def argparse_kwargs(f: dataclasses.Field[Any]) -> dict[str, Any]:
         kind = _value_type(f.type)
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind is int:  # "32k", "4GiB" as vLLM's human_readable_int takes them
+            kwargs["type"] = human_int
         else:
             kwargs["type"] = kind
     kwargs.update(cli)
+    kwargs.pop("aliases", None)
     return kwargs
 
 
@@ -70,7 +75,8 @@ def add_options(parser: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
     argparse parser or argument group."""
     for f in option_fields(cls):
         if f.name not in skip:
-            parser.add_argument(flag_name(f.name), **argparse_kwargs(f))
+            aliases = f.metadata["cli"].get("aliases", ())  # vLLM's short forms, e.g. -tp
+            parser.add_argument(flag_name(f.name), *aliases, **argparse_kwargs(f))
 
 
 def _cell(text: str) -> str:
@@ -84,7 +90,8 @@ def markdown_table(cls: type, keyword_column: bool) -> str:
     rows = ["| " + " | ".join([*head, "flag", "default", "meaning"]) + " |"]
     rows.append("|" + "---|" * (len(head) + 3))
     for f in option_fields(cls):
-        flag = f"`{flag_name(f.name)}`"
+        names = (flag_name(f.name), *f.metadata["cli"].get("aliases", ()))
+        flag = ", ".join(f"`{name}`" for name in names)
         if argparse_kwargs(f).get("action") is argparse.BooleanOptionalAction:
             flag += f", `--no-{flag_name(f.name)[2:]}`"
         default_text = f.metadata["default_text"]

@@ -303,7 +303,7 @@ def run_server(args: argparse.Namespace) -> None:
     try:
         engine = AsyncLLMEngine.from_engine_args(
             engine_args_from_namespace(args),
-            log_requests=not args.disable_log_requests,
+            log_requests=args.enable_log_requests and not args.disable_log_requests,
             log_stats=not args.disable_log_stats,
             log_stats_interval_s=args.stats_log_interval,
             metrics=metrics,
@@ -353,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m pagedserve.entrypoints.openai.api_server",
         description="OpenAI-compatible server (completions, chat, models, tokenize, metrics).",
     )
-    run_server(add_server_args(parser).parse_args(argv))
+    from pagedserve.entrypoints.argv import normalize_argv
+
+    add_server_args(parser)
+    run_server(parser.parse_args(normalize_argv(sys.argv[1:] if argv is None else argv, parser)))
     return 0
 
 

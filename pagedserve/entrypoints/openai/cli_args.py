@@ -79,8 +79,16 @@ class ServerArgs:
         "(vLLM: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1)",
         cli={"action": "store_true"},
     )
+    enable_log_requests: bool = option(
+        False,
+        help="log each request's id, prompt size and sampling parameters (off by default, "
+        "as in vLLM)",
+        cli={"action": "store_true"},
+    )
     disable_log_requests: bool = option(
-        False, help="do not log each request", cli={"action": "store_true"}
+        False,
+        help="deprecated, as in vLLM: requests are not logged unless --enable-log-requests",
+        cli={"action": "store_true"},
     )
     disable_log_stats: bool = option(
         False, help="do not log throughput periodically", cli={"action": "store_true"}
@@ -95,6 +103,17 @@ class ServerArgs:
     )
 
 
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    """`--config FILE.yaml` in the help; `argv.normalize_argv` expands it before parsing."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=argparse.SUPPRESS,  # expanded before parsing: never an attribute
+        help="read flags from a YAML file of `flag-name: value` lines (as vLLM's --config); "
+        "flags on the command line win",
+    )
+
+
 def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
     """Add one `--flag-name` per EngineArgs field (vLLM's spelling) to an argparse parser."""
     add_options(parser, EngineArgs, skip)
@@ -102,6 +121,7 @@ def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the server flags, then the engine flags (one per EngineArgs field), in two groups."""
+    add_config_flag(parser)
     add_options(parser.add_argument_group("server options"), ServerArgs)
     add_engine_args(parser.add_argument_group("engine options"))
     return parser
