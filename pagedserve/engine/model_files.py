@@ -26,6 +26,22 @@ GENERATION_DEFAULT_FIELDS = (
 )
 
 
+def check_model_folder(model: str) -> None:
+    """Raise UnsupportedModelError in one line when the local folder `model` does not exist
+    or has no config.json, naming the architectures we run. Imports neither torch nor
+    transformers, so that a wrong path fails at once."""
+    from pagedserve.models.registry import SUPPORTED_ARCHITECTURES
+
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise UnsupportedModelError(
+            f"model folder {model!r} {what}; pagedserve loads local Hugging Face folders "
+            f"(config.json + *.safetensors), or Hub ids (ORG/NAME), of these architectures: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+
+
 def load_hf_config(
     model: str, trust_remote_code: bool = False, hf_overrides: dict[str, Any] | None = None
 ) -> Any:
@@ -39,18 +55,9 @@ def load_hf_config(
     config needs the folder's own code (config.json's `auto_map`) and `trust_remote_code`
     is off.
     """
+    check_model_folder(model)
     from transformers import AutoConfig
 
-    from pagedserve.models.registry import SUPPORTED_ARCHITECTURES
-
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        what = "does not exist" if not path.exists() else "has no config.json"
-        raise UnsupportedModelError(
-            f"model folder {model!r} {what}; pagedserve loads local Hugging Face folders "
-            f"(config.json + *.safetensors), or Hub ids (ORG/NAME), of these architectures: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
     try:
         config = AutoConfig.from_pretrained(
             model, local_files_only=True, trust_remote_code=trust_remote_code

@@ -19,6 +19,7 @@ GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k"
 
 
 def _generate(args: argparse.Namespace) -> int:
+    check_local_model(args.model, "generate")
     from pagedserve.engine.model_files import default_sampling_params
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.sampling_params import SamplingParams
@@ -100,7 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_local_model(model: str | None, command: str) -> None:
+    """End the command with one line, before the web stack, torch or transformers load, when
+    `model` names a local folder that is missing or has no config.json (a name that can be
+    a Hub id is left to the Hub lookup)."""
+    import os
+
+    from pagedserve.engine.hub import looks_like_repo_id
+    from pagedserve.engine.model_files import check_model_folder
+    from pagedserve.errors import UnsupportedModelError
+
+    if model is None or (not os.path.isdir(model) and looks_like_repo_id(model)):
+        return
+    try:
+        check_model_folder(model)
+    except UnsupportedModelError as e:
+        raise SystemExit(f"pagedserve {command}: error: {e}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
+    check_local_model(args.model_tag or args.model, "serve")
     from pagedserve.entrypoints.openai.api_server import run_server
 
     run_server(args)

@@ -126,3 +126,19 @@ def test_help_lists_the_short_forms() -> None:
     assert "--tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp" in out
     assert "-pp PIPELINE_PARALLEL_SIZE" in out and "-dp DATA_PARALLEL_SIZE" in out
     assert "--config FILE.yaml" in out
+
+
+@pytest.mark.parametrize("argv", [["serve", "/no/such/model"], ["generate", "--model", "./nope"]])
+def test_a_missing_model_folder_fails_before_the_heavy_imports(argv: list[str]) -> None:
+    """The early failure loads neither torch, transformers nor the web stack (what made it
+    take seconds); its time is a figure in BENCHMARKS.md, not an assert here."""
+    code = (
+        "import sys\nfrom pagedserve.entrypoints.cli import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    print(e)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert "does not exist" in out[0] and f"pagedserve {argv[0]}: error" in out[0]
+    assert out[1] == "[]"

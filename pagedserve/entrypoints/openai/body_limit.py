@@ -4,9 +4,8 @@ from fastapi import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .cli_args import DEFAULT_MAX_REQUEST_BODY_BYTES as DEFAULT_MAX_REQUEST_BODY_BYTES
 from .serving import error_body
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # a 128k-token prompt as token ids is ~1 MB
 
 
 class BodySizeLimitMiddleware:

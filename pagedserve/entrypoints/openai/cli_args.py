@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve import envs
-from pagedserve.config import option
+from pagedserve.config import DEFAULT_MODEL, option
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.entrypoints.options import add_options, markdown_table
 
-from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+# Here, not in body_limit (which imports the web stack): `pagedserve serve` parses its flags,
+# and fails on a bad one, before fastapi loads.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # a 128k-token prompt as token ids is ~1 MB
 
 
 def port(text: str) -> int:
@@ -53,7 +55,7 @@ class ServerArgs:
     served_model_name: list[str] | None = option(
         None,
         help="model name(s) that clients pass as `model`; the first is used in responses",
-        default_text="the --model argument",
+        default_text="the --model argument (stories260k for the bundled model)",
         cli={"nargs": "+"},
     )
     api_key: str | None = option(
@@ -134,7 +136,8 @@ def resolve_server_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.api_key is None:
         args.api_key = envs.api_key()
     if not args.served_model_name:
-        args.served_model_name = [args.model]
+        # The bundled model by its name, not its path inside site-packages.
+        args.served_model_name = ["stories260k" if args.model == DEFAULT_MODEL else args.model]
     return args
 
 
