@@ -34,7 +34,7 @@ def test_serve_and_api_server_parse_the_same_flags() -> None:
 def test_defaults(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
     args = resolve_server_args(build_parser().parse_args(["serve"]))
-    assert args.port == 8000 and args.api_key == "from-env"
+    assert args.port == 8000 and args.api_key == ["from-env"]
     assert args.served_model_name == ["stories260k"] and "stories260k" in args.model
     assert resolve_server_args(build_parser().parse_args(["serve", "x"])).served_model_name == ["x"]
     assert build_parser().parse_args(["generate"]).command == "generate"

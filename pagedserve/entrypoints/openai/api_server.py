@@ -3,7 +3,6 @@
 
 import argparse
 import asyncio
-import hmac
 import logging
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -16,7 +15,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import envs
 from pagedserve.engine.prompt_bound import check_prompt_chars
@@ -31,6 +29,7 @@ from .openapi import (
     install_openapi,
     streamed_or_whole,
 )
+from .operations import APIKeyMiddleware, LoadMiddleware, ServerLoad, add_operation_routes
 from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -49,28 +48,6 @@ from .serving_chat import OpenAIServingChat, chat_prompt
 from .serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger(__name__)
-
-_OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
-
-
-class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer KEY`, compared in constant time. A plain ASGI
-    middleware (not BaseHTTPMiddleware), so that streaming and disconnects pass through."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
-            message = "missing or invalid API key; send `Authorization: Bearer <key>`"
-            await JSONResponse(error_body(401, message), status_code=401)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 def _error_response(error: OpenAIError) -> JSONResponse:
@@ -142,7 +119,7 @@ def build_app(
     engine: Engine,
     served_model_names: list[str],
     *,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     chat_template: str | None = None,
     registry: CollectorRegistry | None = None,
     model_root: str | None = None,
@@ -170,8 +147,11 @@ def build_app(
     install_openapi(app)
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
-    if api_key:  # added last, so it runs first: no body is read for an unauthorized request
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    load = ServerLoad()
+    app.add_middleware(LoadMiddleware, load=load)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if api_keys:  # added last, so it runs first: no body is read for an unauthorized request
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     # The model's generation-config defaults for fields a request leaves out (vLLM's
     # default_sampling_params); fakes in tests have no model config.
     model_config = getattr(engine, "model_config", None)
@@ -248,6 +228,8 @@ def build_app(
     async def health() -> Response:
         await engine.check_health()  # EngineDeadError -> 503
         return Response(status_code=200)
+
+    add_operation_routes(app, engine, load)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -58,10 +58,12 @@ class ServerArgs:
         default_text="the --model argument (stories260k for the bundled model)",
         cli={"nargs": "+"},
     )
-    api_key: str | None = option(
+    api_key: list[str] | None = option(
         None,
-        help="require `Authorization: Bearer KEY` on every route but /health and /metrics",
+        help="require `Authorization: Bearer KEY` (any of the keys given) on every route but "
+        "/health, /ping and /metrics",
         default_text="$PAGEDSERVE_API_KEY, else no key",
+        cli={"nargs": "+"},
     )
     chat_template: str | None = option(
         None,
@@ -134,7 +136,8 @@ def resolve_server_args(args: argparse.Namespace) -> argparse.Namespace:
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     if args.api_key is None:
-        args.api_key = envs.api_key()
+        key = envs.api_key()
+        args.api_key = [key] if key else None
     if not args.served_model_name:
         # The bundled model by its name, not its path inside site-packages.
         args.served_model_name = ["stories260k" if args.model == DEFAULT_MODEL else args.model]

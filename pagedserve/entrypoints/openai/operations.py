@@ -1,0 +1,98 @@
+"""Operations endpoints and middleware of the server (vLLM's): API keys, `/ping`, `/load`.
+
+Source: vLLM's api_server (`--api-key` taking several keys, `/ping` for SageMaker-style
+probes answering as `/health`, `/load` with the in-flight generation requests).
+"""
+
+import hmac
+
+from fastapi import FastAPI, Response
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .serving import Engine, error_body
+
+# Reachable without the API key (probes and scrapers).
+OPEN_PATHS = ("/health", "/ping", "/metrics")
+# The routes that generate: what /load counts while they run (a stream until its last chunk).
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer KEY` for one of `api_keys`, compared in constant
+    time. A plain ASGI middleware (not BaseHTTPMiddleware), so that streaming and disconnects
+    pass through."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        self.app = app
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        # Every key is compared (no early exit), so that the time says nothing of which.
+        matches = [hmac.compare_digest(given, expected) for expected in self.expected]
+        if not any(matches):
+            message = "missing or invalid API key; send `Authorization: Bearer <key>`"
+            await JSONResponse(error_body(401, message), status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class ServerLoad:
+    """In-flight generation requests (vLLM's `server_load`), kept by `LoadMiddleware`."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+
+class LoadMiddleware:
+    """Counts a request to a GENERATION_PATHS route from its arrival until its response's
+    last body chunk is sent, or it ends otherwise (error, client gone)."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.load.in_flight += 1
+        done = False
+
+        def finish() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.load.in_flight -= 1
+
+        async def counted_send(message: Message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finish()
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            finish()
+
+
+def add_operation_routes(app: FastAPI, engine: Engine, load: ServerLoad) -> None:
+    """`GET|POST /ping` (as /health: 200 empty, 503 once the engine core is dead) and
+    `GET /load` (`{"server_load": in-flight generation requests}`)."""
+
+    async def ping() -> Response:
+        await engine.check_health()  # EngineDeadError -> 503
+        return Response(status_code=200)
+
+    app.add_api_route(
+        "/ping", ping, methods=["GET", "POST"], response_class=Response,
+        responses={200: {"description": "healthy (empty body)"}},
+    )  # fmt: skip
+
+    @app.get("/load")
+    async def server_load() -> dict[str, int]:
+        return {"server_load": load.in_flight}
