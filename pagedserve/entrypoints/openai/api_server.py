@@ -29,7 +29,14 @@ from .openapi import (
     install_openapi,
     streamed_or_whole,
 )
-from .operations import APIKeyMiddleware, LoadMiddleware, ServerLoad, add_operation_routes
+from .operations import (
+    APIKeyMiddleware,
+    CorsOptions,
+    LoadMiddleware,
+    ServerLoad,
+    add_cors,
+    add_operation_routes,
+)
 from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -125,8 +132,11 @@ def build_app(
     model_root: str | None = None,
     on_engine_death: Callable[[], None] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    cors: CorsOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows.
+    `cors`: the CORS policy (default: any origin, method and header, no credentials, as
+    vLLM's defaults).
 
     `on_engine_death` (None: keep answering 503) is called once, while the app runs, soon
     after the engine core dies; the pending requests have been failed by then."""
@@ -150,8 +160,11 @@ def build_app(
     load = ServerLoad()
     app.add_middleware(LoadMiddleware, load=load)
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
-    if api_keys:  # added last, so it runs first: no body is read for an unauthorized request
+    if api_keys:  # added late, so it runs early: no body is read for an unauthorized request
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    # Outermost: a browser's preflight (OPTIONS, no API key) is answered here, and every
+    # answer, 401s included, carries the CORS headers the page needs to read it.
+    add_cors(app, cors or CorsOptions())
     # The model's generation-config defaults for fields a request leaves out (vLLM's
     # default_sampling_params); fakes in tests have no model config.
     model_config = getattr(engine, "model_config", None)
@@ -309,12 +322,28 @@ def run_server(args: argparse.Namespace) -> None:
             model_root=args.model,
             on_engine_death=None if args.keep_alive_on_engine_death else exit_server,
             max_request_body_bytes=args.max_request_body_bytes,
+            cors=CorsOptions(
+                args.allowed_origins or ["*"],
+                args.allowed_methods or ["*"],
+                args.allowed_headers or ["*"],
+                args.allow_credentials,
+            ),
         )
-        config = uvicorn.Config(app, log_level=args.uvicorn_log_level)
+        config = uvicorn.Config(
+            app,
+            log_level=args.uvicorn_log_level,
+            root_path=args.root_path or "",
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
+        )
         stopping = ServerShuttingDownError("the server is shutting down")
         server.append(DrainingServer(config, lambda: engine.fail_running(stopping)))
         port = sock.getsockname()[1]  # the one the system chose for --port 0
-        logger.info("serving %s on http://%s:%d", args.served_model_name, args.host, port)
+        scheme = "https" if args.ssl_certfile else "http"
+        url = f"{scheme}://{args.host}:{port}{args.root_path or ''}"
+        logger.info("serving %s on %s", args.served_model_name, url)
         with stop_signals_end_serving(server[0]):
             asyncio.run(server[0].serve(sockets=[sock]))
         died = engine.errored  # read before shutdown(), which ends the engine on purpose

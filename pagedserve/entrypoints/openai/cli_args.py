@@ -6,6 +6,7 @@ option table that README.md (docs/serving.md) holds between its `engine-options`
 (`server-options`) marker comments; tests/entrypoints/test_options.py checks they agree."""
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -42,6 +43,20 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def json_list(text: str) -> list[str]:
+    """argparse type of vLLM's list flags (`--allowed-origins '["https://a.example"]'`): a
+    JSON list of strings, or one bare string."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list ({e}): {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
     return value
 
 
@@ -99,6 +114,47 @@ class ServerArgs:
     )
     stats_log_interval: float = option(
         10.0, help="seconds between throughput log lines", cli={"type": seconds}
+    )
+    allowed_origins: list[str] | None = option(
+        None,
+        help="CORS: origins a browser page may call the API from (a JSON list, as vLLM)",
+        default_text='["*"] (any)',
+        cli={"type": json_list},
+    )
+    allowed_methods: list[str] | None = option(
+        None,
+        help="CORS: allowed HTTP methods (a JSON list)",
+        default_text='["*"]',
+        cli={"type": json_list},
+    )
+    allowed_headers: list[str] | None = option(
+        None,
+        help="CORS: allowed request headers (a JSON list)",
+        default_text='["*"]',
+        cli={"type": json_list},
+    )
+    allow_credentials: bool = option(
+        False, help="CORS: allow credentials (cookies, auth headers)", cli={"action": "store_true"}
+    )
+    root_path: str | None = option(
+        None,
+        help="the path prefix a proxy serves the API under (ASGI root_path, e.g. /llm)",
+        default_text="none",
+    )
+    ssl_keyfile: str | None = option(
+        None, help="TLS: the server's private key file (PEM)", default_text="no TLS"
+    )
+    ssl_certfile: str | None = option(
+        None, help="TLS: the server's certificate file (PEM)", default_text="no TLS"
+    )
+    ssl_ca_certs: str | None = option(
+        None, help="TLS: CA certificates to verify clients with", default_text="none"
+    )
+    ssl_cert_reqs: int = option(
+        0,
+        help="TLS: whether client certificates are required (Python ssl: 0 none, 1 optional, "
+        "2 required)",
+        cli={"type": int, "choices": [0, 1, 2]},
     )
     uvicorn_log_level: str = option(
         "info",

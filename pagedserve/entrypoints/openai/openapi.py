@@ -50,7 +50,11 @@ def install_openapi(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
-                title=app.title, version=app.version, routes=app.routes, description=None
+                title=app.title,
+                version=app.version,
+                routes=app.routes,
+                description=None,
+                servers=app.servers or None,  # e.g. --root-path's prefix, as FastAPI adds it
             )
             for path in schema.get("paths", {}).values():
                 for operation in path.values():

@@ -1,12 +1,15 @@
-"""Operations endpoints and middleware of the server (vLLM's): API keys, `/ping`, `/load`.
+"""Operations endpoints and middleware of the server (vLLM's): API keys, CORS, `/ping`,
+`/load`.
 
 Source: vLLM's api_server (`--api-key` taking several keys, `/ping` for SageMaker-style
 probes answering as `/health`, `/load` with the in-flight generation requests).
 """
 
 import hmac
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Response
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -39,6 +42,27 @@ class APIKeyMiddleware:
             await JSONResponse(error_body(401, message), status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+@dataclass(frozen=True)
+class CorsOptions:
+    """vLLM's `--allowed-origins/--allowed-methods/--allowed-headers/--allow-credentials`."""
+
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+def add_cors(app: FastAPI, options: CorsOptions) -> None:
+    """Starlette's CORSMiddleware with `options` (as vLLM adds it)."""
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=options.allowed_origins,
+        allow_methods=options.allowed_methods,
+        allow_headers=options.allowed_headers,
+        allow_credentials=options.allow_credentials,
+    )
 
 
 class ServerLoad:

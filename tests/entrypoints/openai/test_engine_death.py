@@ -5,6 +5,7 @@ every new request, /health included, gets a 503."""
 
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -126,13 +127,14 @@ def test_keep_alive_on_engine_death_answers_503(server_factory: Any) -> None:
         running.stop()
 
 
-def assert_clean_stop(running: Any, stop_signal: signal.Signals) -> None:
-    """`stop_signal` to the server's process group: the server exits 0, its engine core is
-    gone, and the log holds no error (the caller stops the server if this fails)."""
+def assert_clean_stop(running: Any, stop_signal: signal.Signals, group: bool = True) -> None:
+    """`stop_signal` to the server's process group (or, `group` False, to the server process
+    alone): the server exits 0, its engine core is gone, and the log holds no error (the
+    caller stops the server if this fails)."""
     core = engine_core_pid(running.process.pid)
     ok = running.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
-    os.killpg(running.process.pid, stop_signal)
+    (os.killpg if group else os.kill)(running.process.pid, stop_signal)
     assert running.process.wait(timeout=30) == 0, running.log()
     deadline = time.monotonic() + 10
     while Path(f"/proc/{core}").exists() and time.monotonic() < deadline:
@@ -152,5 +154,21 @@ def test_a_stop_signal_to_the_process_group_is_a_clean_stop(server_factory: Any)
     running = server_factory("llama3")
     try:
         assert_clean_stop(running, signal.SIGTERM)
+    finally:
+        running.stop()
+
+
+def test_sigterm_to_the_server_process_alone_stops_the_core_and_removes_its_sockets(
+    server_factory: Any,
+) -> None:
+    """A supervisor that signals only the server's pid (Kubernetes, `kill PID`): the server
+    stops its engine core before it exits, and the core's socket folder goes with it."""
+    before = set(Path(tempfile.gettempdir()).glob("pagedserve-*"))
+    running = server_factory("llama3")
+    try:
+        sockets = set(Path(tempfile.gettempdir()).glob("pagedserve-*")) - before
+        assert sockets, "the engine core's socket folder was not found"
+        assert_clean_stop(running, signal.SIGTERM, group=False)
+        assert not any(folder.exists() for folder in sockets)
     finally:
         running.stop()

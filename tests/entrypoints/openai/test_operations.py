@@ -3,7 +3,11 @@ process, on the fake engine."""
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import httpx
+import openai
 import pytest
 
 from .in_process import InProcessApp
@@ -52,3 +56,80 @@ def test_load_counts_generation_requests_until_their_last_chunk(
             return idle, busy, after
 
     assert fake_app.run(scenario()) == (0, 2, 0)
+
+
+PREFLIGHT = {
+    "Origin": "http://page.example",
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization,content-type",
+}
+
+
+def test_a_browser_preflight_is_answered_without_the_api_key(
+    fake_app_factory: Callable[..., InProcessApp],
+) -> None:
+    app = fake_app_factory(api_key="secret")
+    response = app.request("OPTIONS", "/v1/completions", headers=PREFLIGHT)
+    assert response.status_code == 200, response.text
+    assert response.headers["access-control-allow-origin"] in ("*", "http://page.example")
+    assert "POST" in response.headers["access-control-allow-methods"]
+    # The page can read the answers, a 401 included.
+    denied = app.get("/v1/models", headers={"Origin": "http://page.example"})
+    assert denied.status_code == 401 and "access-control-allow-origin" in denied.headers
+
+
+def test_allowed_origins_restrict_which_pages_may_call(
+    fake_app_factory: Callable[..., InProcessApp],
+) -> None:
+    from pagedserve.entrypoints.openai.operations import CorsOptions
+
+    app = fake_app_factory(cors=CorsOptions(allowed_origins=["http://ok.example"]))
+    refused = app.request("OPTIONS", "/v1/completions", headers=PREFLIGHT)
+    assert refused.status_code == 400
+    allowed = app.request(
+        "OPTIONS", "/v1/completions", headers={**PREFLIGHT, "Origin": "http://ok.example"}
+    )
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "http://ok.example"
+    other = app.get("/v1/models", headers={"Origin": "http://other.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_tls_and_a_root_path_with_the_openai_client(
+    server_factory: Callable[..., Any], tmp_path: Path
+) -> None:
+    """`--ssl-keyfile/--ssl-certfile` (a self-signed certificate the client trusts) and
+    `--root-path /llm` (the prefix a proxy strips before forwarding, as uvicorn's and vLLM's
+    root_path: requests arrive without it; the OpenAPI document names it)."""
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    key_file, cert_file = tmp_path / "key.pem", tmp_path / "cert.pem"
+    cert.private_key_pem.write_to_path(str(key_file))
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    running = server_factory(
+        "llama3",
+        None,
+        ["--ssl-keyfile", str(key_file), "--ssl-certfile", str(cert_file), "--root-path", "/llm"],
+    )
+    try:
+        assert running.url.startswith("https://")
+        http = httpx.Client(verify=str(ca_file), timeout=60.0)
+        client = openai.OpenAI(
+            base_url=f"{running.url}/v1", api_key="none", max_retries=0, http_client=http
+        )
+        assert [m.id for m in client.models.list().data] == [running.model]
+        completion = client.completions.create(
+            model=running.model, prompt="Hello", max_tokens=3, temperature=0
+        )
+        assert completion.usage is not None and completion.usage.completion_tokens == 3
+        response = http.get(f"{running.url}/openapi.json")
+        assert response.status_code == 200, running.log()
+        openapi = response.json()
+        assert {"url": "/llm"} in openapi.get("servers", [])
+        with pytest.raises(httpx.TransportError):  # plain http gets no answer on the TLS port
+            httpx.get(running.url.replace("https", "http") + "/health", timeout=5.0)
+    finally:
+        running.stop()
