@@ -10,6 +10,28 @@ import torch
 import torch.nn.functional as F
 
 
+def check_moe_shapes(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    """Raise ValueError unless the shapes are those `moe_reference` documents."""
+    num_tokens, hidden_size = hidden_states.shape
+    num_experts, two_i, w13_hidden = w13.shape
+    if w13_hidden != hidden_size or two_i % 2 or w2.shape != (num_experts, hidden_size, two_i // 2):
+        raise ValueError(
+            f"moe_reference: shapes disagree: hidden_states {tuple(hidden_states.shape)}, "
+            f"w13 {tuple(w13.shape)} (want [E, 2I, H]), w2 {tuple(w2.shape)} (want [E, H, I])"
+        )
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(
+            f"moe_reference: topk_weights {tuple(topk_weights.shape)} and topk_ids "
+            f"{tuple(topk_ids.shape)} must both be [T={num_tokens}, K]"
+        )
+
+
 def moe_reference(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -30,18 +52,9 @@ def moe_reference(
     weighted sum in float32 (as the fused kernel accumulates).
     Raises ValueError when the shapes disagree.
     """
+    check_moe_shapes(hidden_states, w13, w2, topk_weights, topk_ids)
     num_tokens, hidden_size = hidden_states.shape
-    num_experts, two_i, w13_hidden = w13.shape
-    if w13_hidden != hidden_size or two_i % 2 or w2.shape != (num_experts, hidden_size, two_i // 2):
-        raise ValueError(
-            f"moe_reference: shapes disagree: hidden_states {tuple(hidden_states.shape)}, "
-            f"w13 {tuple(w13.shape)} (want [E, 2I, H]), w2 {tuple(w2.shape)} (want [E, H, I])"
-        )
-    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
-        raise ValueError(
-            f"moe_reference: topk_weights {tuple(topk_weights.shape)} and topk_ids "
-            f"{tuple(topk_ids.shape)} must both be [T={num_tokens}, K]"
-        )
+    num_experts = w13.shape[0]
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden_states.device)
     local_ids = topk_ids.long() - expert_start
     for expert in torch.unique(local_ids).tolist():
