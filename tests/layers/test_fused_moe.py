@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.layers.moe.fused_moe import fused_moe
-from pagedserve.layers.moe.reference import moe_reference
+from pagedserve.layers.moe.reference import dequantize_experts, moe_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(
@@ -95,11 +95,30 @@ def make_case(
     return args
 
 
-def error_scale(args: dict[str, Any], calc: torch.dtype) -> torch.Tensor:
-    """sum_k |w_k| (|act_k| @ |W2_k|^T + |y_k|) per output element (module docstring)."""
-    x = args["hidden_states"].to(calc)
-    w13, w2 = args["w13"].to(calc), args["w2"].to(calc)
-    local = args["topk_ids"].long() - args["expert_start"]
+def quantize_experts(args: dict[str, Any], per_channel: bool) -> None:
+    """w13 and w2 -> float8_e4m3fn with float32 scales ([E] or [E, N]), in args."""
+    for name in ("w13", "w2"):
+        w = args[name].float()
+        amax = w.abs().amax(dim=2) if per_channel else w.abs().amax(dim=(1, 2))
+        scale = amax / 448.0
+        q = (w / scale.reshape(w.shape[0], -1, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        args[name], args[f"{name}_scale"] = q, scale
+
+
+def high_precision(args: dict[str, Any], calc: torch.dtype) -> dict[str, Any]:
+    """moe_reference's arguments in `calc`, FP8 weights dequantized."""
+    high = {k: v for k, v in args.items() if not k.endswith("_scale")}
+    high["hidden_states"] = args["hidden_states"].to(calc)
+    for name in ("w13", "w2"):
+        high[name] = dequantize_experts(args[name], args.get(f"{name}_scale"), calc)
+    return high
+
+
+def error_scale(high: dict[str, Any]) -> torch.Tensor:
+    """sum_k |w_k| (|act_k| @ |W2_k|^T + |y_k|) per output element (module docstring), from
+    `high_precision`'s arguments."""
+    x, w13, w2 = high["hidden_states"], high["w13"], high["w2"]
+    local = high["topk_ids"].long() - high["expert_start"]
     inter = w2.shape[2]
     scale = torch.zeros_like(x)
     for expert in range(w13.shape[0]):
@@ -107,7 +126,7 @@ def error_scale(args: dict[str, Any], calc: torch.dtype) -> torch.Tensor:
         h = x[token] @ w13[expert].T
         act = F.silu(h[:, :inter]) * h[:, inter:]
         y = act @ w2[expert].T
-        weight = args["topk_weights"][token, slot, None].to(calc).abs()
+        weight = high["topk_weights"][token, slot, None].to(x.dtype).abs()
         scale.index_add_(0, token, weight * (act.abs() @ w2[expert].abs().T + y.abs()))
     return scale
 
@@ -118,9 +137,9 @@ def assert_matches_reference(out: torch.Tensor, args: dict[str, Any]) -> float:
     error / bound."""
     dtype = args["hidden_states"].dtype
     calc = torch.float64 if out.device.type == "cpu" or out.numel() < 2**20 else torch.float32
-    high = {k: v.to(calc) if k in ("hidden_states", "w13", "w2") else v for k, v in args.items()}
+    high = high_precision(args, calc)
     expected = moe_reference(**high).to(calc)
-    bound = ULP[dtype] * (expected.abs() + error_scale(args, calc)) + 1e-30
+    bound = ULP[dtype] * (expected.abs() + error_scale(high)) + 1e-30
     ratio = float(((out.to(calc) - expected).abs() / bound).max()) if out.numel() else 0.0
     assert out.dtype == dtype and out.shape == args["hidden_states"].shape
     assert ratio <= 1.0, f"max error / bound {ratio:.2f}"
@@ -193,6 +212,19 @@ def test_chunks_and_strided_input_interpreted(monkeypatch: pytest.MonkeyPatch) -
 
 
 @interpreted
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize(("num_tokens", "start"), [(1, 0), (37, 0), (70, 2)])
+def test_fp8_weights_interpreted(per_channel: bool, num_tokens: int, start: int) -> None:
+    """float8_e4m3fn experts with per-expert or per-row scales (weight-only FP8): the same
+    bound against the reference on the dequantized weights."""
+    from pagedserve.layers.moe.triton_moe import fused_moe_triton
+
+    args = make_case(num_tokens, 4, 2, 48, 32, torch.float16, "skewed", start, 8, num_tokens)
+    quantize_experts(args, per_channel)
+    assert_matches_reference(fused_moe_triton(**args), args)
+
+
+@interpreted
 @pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "block_m"), [
     (1, 1, 1, 16), (1, 8, 16, 16), (100, 2, 8, 16), (300, 8, 16, 64), (20, 2, 4, 128),
 ])  # fmt: skip
@@ -230,6 +262,16 @@ def test_cpu_dispatch_is_the_reference() -> None:
     assert torch.equal(fused_moe(**args), moe_reference(**args))
     args["w2"] = args["w2"][:, :, :8]
     with pytest.raises(ValueError, match="want \\[E, H, I\\]"):
+        fused_moe(**args)
+
+
+def test_cpu_dispatch_dequantizes_fp8_weights() -> None:
+    args = make_case(11, 4, 2, 32, 16, torch.bfloat16, seed=5)
+    quantize_experts(args, per_channel=True)
+    expected = moe_reference(**high_precision(args, torch.bfloat16))
+    assert torch.equal(fused_moe(**args), expected)
+    args["w2_scale"] = args["w2_scale"][:, :3]
+    with pytest.raises(ValueError, match="per channel"):
         fused_moe(**args)
 
 
@@ -353,3 +395,19 @@ def test_fused_moe_cuda_graph_replay_with_new_routing(
             args[name].copy_(new[name] if name != "hidden_states" else torch.randn_like(new[name]))
         graph.replay()
         assert_matches_reference(out, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("shape", "num_tokens", "per_channel"),
+    [(QWEN3_30B, 1, True), (QWEN3_30B, 256, True), (QWEN3_30B, 4096, False), (MIXTRAL, 64, False)],
+)
+def test_fused_moe_gpu_fp8_weights(
+    expert_weights: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]],
+    shape: tuple[int, int, int, int],
+    num_tokens: int,
+    per_channel: bool,
+) -> None:
+    args = gpu_case(expert_weights, shape, num_tokens, torch.bfloat16)
+    quantize_experts(args, per_channel)
+    assert_matches_reference(fused_moe(**args), args)

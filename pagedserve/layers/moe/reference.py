@@ -32,6 +32,28 @@ def check_moe_shapes(
         )
 
 
+def expert_scales(scale: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """An FP8 expert weight's scales as [E, 1] (one per expert) or [E, N] (one per output
+    row) float32, from [E], [E, 1], [E, 1, 1], [E, N] or [E, N, 1]; weight: [E, N, K].
+    Raises ValueError for any other shape."""
+    num_experts, rows = weight.shape[:2]
+    if scale.numel() not in (num_experts, num_experts * rows) or scale.shape[0] != num_experts:
+        raise ValueError(
+            f"fused_moe: weight scale {tuple(scale.shape)} for an expert weight "
+            f"{tuple(weight.shape)}: want [E] (per tensor) or [E, N] (per channel)"
+        )
+    return scale.reshape(num_experts, -1).to(torch.float32).contiguous()
+
+
+def dequantize_experts(
+    weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """weight [E, N, K] (FP8 with `scale`, see `expert_scales`; or float without) in dtype."""
+    if scale is None:
+        return weight.to(dtype)
+    return (weight.to(torch.float32) * expert_scales(scale, weight)[:, :, None]).to(dtype)
+
+
 def moe_reference(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,

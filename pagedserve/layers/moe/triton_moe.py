@@ -23,6 +23,9 @@ import triton
 import triton.language as tl
 
 from pagedserve.layers.moe.moe_align import moe_align_block_size
+from pagedserve.layers.moe.reference import expert_scales
+
+FP8_E4M3 = torch.float8_e4m3fn
 
 # Tokens per pass: the act and y buffers are [chunk * K, I] and [chunk * K, H] (Mixtral:
 # 470 MB for act at 8192 tokens), so long prefills run in chunks of this many tokens.
@@ -35,18 +38,23 @@ _TARGET_PROGRAMS = 264
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, b_scale_ptr,
     N, K, num_pairs, up_offset,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_se, stride_sn,
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    B_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """C[pair] = A[pair // ROWS_PER_A] @ B[expert]^T over one [BLOCK_M, BLOCK_N] tile.
 
     GATED: B's rows n (gate) and up_offset + n (up) both, C = silu(gate) * up.
-    MUL_WEIGHT: C *= weights[pair]. Padding rows (pair == num_pairs) load zeros and store
-    nothing; row blocks at or past *total_ptr return at once."""
+    MUL_WEIGHT: C *= weights[pair]. B_SCALED: B is FP8, dequantized by its scale
+    b_scale[expert, column] (stride_sn = 0 for one scale per expert) on the accumulator,
+    exact since the FP8 values convert to A's dtype exactly. Padding rows
+    (pair == num_pairs) load zeros and store nothing; row blocks at or past *total_ptr
+    return at once."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_m = tl.num_programs(0) // num_pid_n
@@ -79,15 +87,20 @@ def _moe_gemm_kernel(
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PRECISION)
         if GATED:
             if EVEN_K:
                 b_up = tl.load(b_ptrs + up_shift)
             else:
                 b_up = tl.load(b_ptrs + up_shift, mask=(offs_k < K - k0)[:, None], other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, b_up.to(a.dtype), acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if B_SCALED:
+        scale_ptrs = b_scale_ptr + expert * stride_se + b_cols * stride_sn
+        acc = acc * tl.load(scale_ptrs)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scale_ptrs + up_offset * stride_sn)[None, :]
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
@@ -193,30 +206,48 @@ def moe_config(
 
 def _grouped_gemm(
     a: torch.Tensor,  # [rows, K]: hidden_states (ROWS_PER_A = top_k) or act (1)
-    b: torch.Tensor,  # [E, N or 2N, K]
+    b: torch.Tensor,  # [E, N or 2N, K] in a's dtype, or FP8
+    b_scale: torch.Tensor | None,  # FP8 b: [E, 1] or [E, N or 2N] float32
     c: torch.Tensor,  # [P, N] output
     weights: torch.Tensor,  # [P] routing weights (used with mul_weight)
     align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    n: int,
     rows_per_a: int,
     gated: bool,
     block_m: int,
     tile: GemmTile,
 ) -> None:
     sorted_ids, expert_ids, total = align
-    k = a.shape[1]
+    n, k = c.shape[1], a.shape[1]
+    scale = b_scale if b_scale is not None else weights  # any pointer when unscaled
     grid = (expert_ids.numel() * triton.cdiv(n, tile.block_n),)
     _moe_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, expert_ids, total,
+        a, b, c, weights, sorted_ids, expert_ids, total, scale,
         n, k, c.shape[0], n,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1),
-        ROWS_PER_A=rows_per_a, GATED=gated, MUL_WEIGHT=not gated,
+        scale.stride(0) if b_scale is not None else 0,
+        1 if b_scale is not None and b_scale.shape[1] > 1 else 0,
+        ROWS_PER_A=rows_per_a, GATED=gated, MUL_WEIGHT=not gated, B_SCALED=b_scale is not None,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=k % tile.block_k == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
+
+
+def _weight_scales(
+    dtype: torch.dtype, w: torch.Tensor, scale: torch.Tensor | None, name: str
+) -> torch.Tensor | None:
+    """`w`'s scales for the kernel ([E, 1] or [E, N] float32), None for a weight in the
+    activation dtype. Raises ValueError for other dtypes or an FP8 weight without scales."""
+    if w.dtype == FP8_E4M3 and scale is not None:
+        return expert_scales(scale, w)
+    if w.dtype == dtype and scale is None:
+        return None
+    raise ValueError(
+        f"fused_moe: {name} is {w.dtype} with{'out' if scale is None else ''} a scale; want "
+        f"the activations' dtype {dtype} without a scale, or float8_e4m3fn with one"
+    )
 
 
 def fused_moe_triton(
@@ -226,17 +257,18 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_start: int = 0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
     config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """`moe_reference` (same arguments and result, shapes checked by the caller) by the
-    Triton kernels; `config` overrides `moe_config`'s tiles (benchmark sweeps). hidden_states,
-    w13 and w2 share one dtype (float16, bfloat16 or float32).
-    Raises ValueError when the dtypes differ."""
-    if not hidden_states.dtype == w13.dtype == w2.dtype:
-        raise ValueError(
-            f"fused_moe: hidden_states ({hidden_states.dtype}), w13 ({w13.dtype}) and w2 "
-            f"({w2.dtype}) must share one dtype (quantized expert weights are not supported yet)"
-        )
+    Triton kernels; `config` overrides `moe_config`'s tiles (benchmark sweeps).
+    hidden_states float16, bfloat16 or float32; w13 and w2 in that dtype, or float8_e4m3fn
+    with w13_scale / w2_scale (`expert_scales`: per expert or per output row; weight-only
+    FP8, the activations stay in their dtype).
+    Raises ValueError for other dtypes or missing scales."""
+    s13 = _weight_scales(hidden_states.dtype, w13, w13_scale, "w13")
+    s2 = _weight_scales(hidden_states.dtype, w2, w2_scale, "w2")
     num_tokens, hidden = hidden_states.shape
     num_experts, intermediate = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -253,11 +285,9 @@ def fused_moe_triton(
         pairs = (end - start) * top_k
         weights = weights_all[start:end].reshape(-1)
         act = torch.empty(pairs, intermediate, dtype=x.dtype, device=x.device)
-        _grouped_gemm(
-            x, w13, act, weights, align, intermediate, top_k, True, cfg.block_m, cfg.gate_up
-        )
+        _grouped_gemm(x, w13, s13, act, weights, align, top_k, True, cfg.block_m, cfg.gate_up)
         y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-        _grouped_gemm(act, w2, y, weights, align, hidden, 1, False, cfg.block_m, cfg.down)
+        _grouped_gemm(act, w2, s2, y, weights, align, 1, False, cfg.block_m, cfg.down)
         block_h = min(triton.next_power_of_2(hidden), 1024)
         block_t = _SUM_TILE // block_h
         grid = (triton.cdiv(end - start, block_t), triton.cdiv(hidden, block_h))
