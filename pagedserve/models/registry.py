@@ -27,6 +27,9 @@ _MODELS: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
         "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
         "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+        "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+        "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+        "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     }
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
