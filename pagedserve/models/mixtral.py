@@ -15,6 +15,4 @@ class MixtralForCausalLM(MoeForCausalLM):
     w3 / w2` (gate / up / down) load into `mlp.gate` and `mlp.experts`' stacks.
     """
 
-    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = (
-        (".block_sparse_moe.", ".mlp."),
-    )
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ((".block_sparse_moe.", ".mlp."),)

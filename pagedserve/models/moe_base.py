@@ -32,15 +32,22 @@ _PER_EXPERT = re.compile(
     r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
 _STACKED = re.compile(r"^(?P<module>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-_SHARD_OF = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2"}
-_SHARD_OF["down_proj"] = "w2"
+# Checkpoint projection name -> FusedMoE shard id.
+_SHARD_OF = {
+    "w1": "w1",
+    "gate_proj": "w1",
+    "w3": "w3",
+    "up_proj": "w3",
+    "w2": "w2",
+    "down_proj": "w2",
+}
 
 
 def num_experts(hf_config: Any) -> int:
     """The routed experts per MoE layer: `num_experts` (Qwen) or `num_local_experts`
     (Mixtral; transformers 5 maps each name to the other for some configs)."""
     value = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
-    return int(value)
+    return int(value or 0)
 
 
 def is_sparse_layer(hf_config: Any, layer_idx: int) -> bool:

@@ -36,7 +36,7 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
         self,
         hidden_states: torch.Tensor,  # [num_tokens, hidden_size] float
     ) -> torch.Tensor:  # [num_tokens, hidden_size] float
-        shared = self.shared_expert(hidden_states)
+        shared: torch.Tensor = self.shared_expert(hidden_states)
         shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
         return super().forward(hidden_states) + shared
 

@@ -125,7 +125,9 @@ class FusedMoE(nn.Module):
         local = expert_id - self.expert_start
         i_local, hidden = self.intermediate_per_rank, self.w2_weight.shape[1]
         full = (
-            (self.intermediate_size, hidden) if shard_id != "w2" else (hidden, self.intermediate_size)
+            (self.intermediate_size, hidden)
+            if shard_id != "w2"
+            else (hidden, self.intermediate_size)
         )
         if tuple(loaded_weight.shape) != full:
             raise ValueError(
@@ -154,8 +156,7 @@ class FusedMoE(nn.Module):
         full = (num, 2 * inter, hidden) if which == "w13" else (num, hidden, inter)
         if tuple(loaded_weight.shape) != full:
             raise ValueError(
-                f"stacked experts' {which} has shape {tuple(loaded_weight.shape)}, "
-                f"expected {full}"
+                f"stacked experts' {which} has shape {tuple(loaded_weight.shape)}, expected {full}"
             )
         mine = loaded_weight.narrow(0, self.expert_start, self.num_local_experts)
         i_local, start = self.intermediate_per_rank, self.shard_rank * self.intermediate_per_rank
