@@ -127,6 +127,15 @@ def test_greedy_equals_transformers_generate(
     llm.llm_engine.shutdown()
 
 
+def test_transformers_backend_points_to_native_code(
+    saved: dict[str, tuple[nn.Module, Path]],
+) -> None:
+    """model_impl "transformers" still cannot load per-expert tensors; its error now says
+    that the default runs the architecture natively."""
+    with pytest.raises(UnsupportedModelError, match="model_impl 'auto' runs MixtralForCausalLM"):
+        LLM(str(saved["mixtral"][1]), model_impl="transformers", **LLM_OPTIONS)
+
+
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_logits_equal_transformers(case: str, saved: dict[str, tuple[nn.Module, Path]]) -> None:
     """A batched paged prefill and decode step: logits within 1e-4 of transformers'."""

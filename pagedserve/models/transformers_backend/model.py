@@ -14,6 +14,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.linear import get_weight_loader
+from pagedserve.models.registry import SUPPORTED_ARCHITECTURES
 from pagedserve.models.transformers_backend.attention import (
     ATTN_IMPLEMENTATION,
     forward_context,
@@ -248,6 +249,9 @@ class TransformersForCausalLM(nn.Module):
                     if self._converts
                     else "does config.json's architecture match the weights?"
                 )
+                architecture = type(self._logits_head).__name__
+                if architecture in SUPPORTED_ARCHITECTURES:  # e.g. Mixtral, Qwen3-MoE
+                    why += f"; model_impl 'auto' runs {architecture} with native code"
                 raise UnsupportedModelError(
                     f"checkpoint tensor {checkpoint_name!r} matches no parameter of "
                     f"{type(self._logits_head).__name__}; {why}"
