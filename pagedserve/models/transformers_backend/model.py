@@ -14,7 +14,6 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.linear import get_weight_loader
-from pagedserve.models.registry import SUPPORTED_ARCHITECTURES
 from pagedserve.models.transformers_backend.attention import (
     ATTN_IMPLEMENTATION,
     forward_context,
@@ -245,13 +244,11 @@ class TransformersForCausalLM(nn.Module):
                 why = (
                     "transformers merges or splits this architecture's checkpoint tensors when "
                     "loading (e.g. per-expert MoE weights into fused ones), which the "
-                    "transformers backend does not do yet"
+                    "transformers backend does not do yet (model_impl 'auto' runs native "
+                    "architectures, e.g. Mixtral and Qwen MoE, with pagedserve's own code)"
                     if self._converts
                     else "does config.json's architecture match the weights?"
                 )
-                architecture = type(self._logits_head).__name__
-                if architecture in SUPPORTED_ARCHITECTURES:  # e.g. Mixtral, Qwen3-MoE
-                    why += f"; model_impl 'auto' runs {architecture} with native code"
                 raise UnsupportedModelError(
                     f"checkpoint tensor {checkpoint_name!r} matches no parameter of "
                     f"{type(self._logits_head).__name__}; {why}"
