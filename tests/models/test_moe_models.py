@@ -303,10 +303,22 @@ def _as_rank(tp_rank: int, tp_size: int, expert_parallel: bool) -> Iterator[None
         set_tensor_parallel_state(0, 1)
 
 
+@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
 @pytest.mark.parametrize(("tp_size", "expert_parallel"), [(2, False), (4, False), (2, True)])
 def test_fused_moe_split_sums_to_one_rank(
-    tp_size: int, expert_parallel: bool, monkeypatch: pytest.MonkeyPatch
+    tp_size: int,
+    expert_parallel: bool,
+    layout: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
+    """Each rank loads its part (per-expert tensors, or lazy `SafetensorsSlice` views of the
+    stacked ones, as a tensor-parallel load reads them) and the ranks' outputs sum to the
+    reference over all experts."""
+    from safetensors import safe_open
+
+    from pagedserve.models.loader import SafetensorsSlice
+
     monkeypatch.setattr("pagedserve.layers.moe.layer.tensor_model_parallel_all_reduce", lambda x: x)
     num_experts, top_k, hidden, inter = 4, 2, 16, 24
     generator = torch.Generator().manual_seed(0)
@@ -316,14 +328,21 @@ def test_fused_moe_split_sums_to_one_rank(
     logits = torch.randn(7, num_experts, generator=generator)
     weights, ids = select_experts(logits, top_k, True)
     expected = moe_reference(x, torch.cat([gate, up], 1), down, weights, ids)
+    save_file({"gate_up": torch.cat([gate, up], 1), "down": down}, tmp_path / "e.safetensors")
     total = torch.zeros_like(expected)
     starts = []
     for rank in range(tp_size):
         with _as_rank(rank, tp_size, expert_parallel):
             layer = FusedMoE(num_experts, top_k, hidden, inter, renormalize=True)
-        for e in range(num_experts):
-            for shard, tensor in (("w1", gate[e]), ("w3", up[e]), ("w2", down[e])):
-                assert layer.load_expert_weight(tensor, e, shard) == layer.is_local(e)
+        if layout == "stacked":
+            with safe_open(str(tmp_path / "e.safetensors"), "pt") as f:
+                for name, which in (("gate_up", "w13"), ("down", "w2")):
+                    view = SafetensorsSlice(f.get_slice(name))
+                    layer.load_fused_weight(view, which)  # type: ignore[arg-type]
+        else:
+            for e in range(num_experts):
+                for shard, tensor in (("w1", gate[e]), ("w3", up[e]), ("w2", down[e])):
+                    assert layer.load_expert_weight(tensor, e, shard) == layer.is_local(e)
         assert layer.missing_weights() == []
         starts.append(layer.expert_start)
         total += layer(x, logits)
