@@ -10,7 +10,7 @@ import pytest
 import transformers
 
 from pagedserve import LLM
-from tests.models.test_moe_models import CONFIGS, _make_moe_hf_model
+from tests.models.test_moe_models import save_moe_models
 
 from ._helpers import _COMMON, assert_same_outputs, greedy_outputs
 
@@ -20,11 +20,7 @@ CASES += [("qwen3_moe", True)]
 
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    paths = {}
-    for name, config in CONFIGS.items():
-        paths[name] = tmp_path_factory.mktemp(name)
-        _make_moe_hf_model(config).save_pretrained(paths[name])
-    return paths
+    return {name: path for name, (_, path) in save_moe_models(tmp_path_factory).items()}
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from tests.models.test_moe_models import CONFIGS, _make_moe_hf_model
+from tests.models.test_moe_models import CONFIGS, save_moe_models
 
 pytestmark = pytest.mark.gpu
 
@@ -17,11 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    paths = {}
-    for name, config in CONFIGS.items():
-        paths[name] = tmp_path_factory.mktemp(name)
-        _make_moe_hf_model(config).save_pretrained(paths[name])
-    return paths
+    return {name: path for name, (_, path) in save_moe_models(tmp_path_factory).items()}
 
 
 def _generate(path: Path, **options: object) -> list[list[int]]:

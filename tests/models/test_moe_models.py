@@ -93,8 +93,11 @@ def _make_moe_hf_model(config: PretrainedConfig, seed: int = 0) -> nn.Module:
     return hf_model.eval()
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[nn.Module, Path]]:
+def save_moe_models(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[nn.Module, Path]]:
+    """Every model of CONFIGS (`_make_moe_hf_model`) saved with save_pretrained: case ->
+    (transformers model, folder). Also used by the distributed and GPU MoE tests."""
     models = {}
     for case, config in CONFIGS.items():
         hf_model = _make_moe_hf_model(config)
@@ -102,6 +105,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[nn.Module
         hf_model.save_pretrained(path)
         models[case] = (hf_model, path)
     return models
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[nn.Module, Path]]:
+    return save_moe_models(tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))
