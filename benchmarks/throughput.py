@@ -8,6 +8,8 @@ request at a time on the same model (the classic baseline); with --hf-batch, tra
   python benchmarks/throughput.py --preset tiny-llama-4m --num-prompts 32 --input-len 64 \
       --output-len 64 --device cpu --hf-sequential
   python benchmarks/throughput.py --preset llama-3.1-8b --quantization gptq   # 4-bit g128
+  python benchmarks/throughput.py --preset mixtral-8x7b --tensor-parallel-size 2 \
+      --enable-expert-parallel   # MoE: whole experts per rank
 """
 
 import argparse
@@ -58,6 +60,7 @@ def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     for name in (
         "max_model_len",
@@ -202,6 +205,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", help="auto (default), fp8, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE models: whole experts per tensor-parallel rank (the engine's option)",
+    )
+    parser.add_argument(
         "--model-impl",
         choices=("auto", "pagedserve", "vllm", "transformers"),
         help="auto (default: native when we have the architecture), pagedserve or transformers",
@@ -270,6 +278,8 @@ def main() -> None:
                 "quantization": quantization_config(args) or args.quantization,
                 "kv_cache_dtype": args.kv_cache_dtype or "auto",
                 "model_impl": args.model_impl or "auto",
+                "tensor_parallel_size": args.tensor_parallel_size,
+                "enable_expert_parallel": args.enable_expert_parallel,
                 "results": {
                     k: {**v, "output_tok_s": v["output_tokens"] / v["seconds"]}
                     for k, v in results.items()

@@ -303,7 +303,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How the model is spread over devices (tensor parallelism)."""
+    """How the model is spread over devices (tensor parallelism, and expert parallelism for
+    the experts of mixture-of-experts layers)."""
 
     tensor_parallel_size: int = option(
         1,
@@ -331,6 +332,11 @@ class ParallelConfig:
         300.0,
         help="seconds a collective or a worker's reply may take before the workers are "
         "declared dead",
+    )
+    enable_expert_parallel: bool = option(
+        False,
+        help="mixture-of-experts layers put whole experts on the tensor-parallel ranks "
+        "(num_experts / tensor_parallel_size each) instead of a slice of every expert",
     )
 
     def __post_init__(self) -> None:
@@ -453,6 +459,11 @@ class EngineConfig:
         _check_tensor_parallel_size(
             self.model_config.hf_config, self.parallel_config.tensor_parallel_size
         )
+        _check_experts_split(
+            self.model_config.hf_config,
+            self.parallel_config.tensor_parallel_size,
+            self.parallel_config.enable_expert_parallel,
+        )
         budget = self.scheduler_config.max_num_batched_tokens
         max_model_len = self.model_config.max_model_len
         if not self.scheduler_config.enable_chunked_prefill and budget < max_model_len:
@@ -487,4 +498,35 @@ def _check_tensor_parallel_size(hf_config: Any, tp_size: int) -> None:
         raise ValueError(
             f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size ({tp_size}): "
             f"one must divide the other"
+        )
+
+
+def _check_experts_split(hf_config: Any, tp_size: int, expert_parallel: bool) -> None:
+    """A mixture-of-experts model's experts split evenly over the ranks: whole experts under
+    expert parallelism (num_experts / tp_size each), else each expert's intermediate size
+    (moe_intermediate_size, Mixtral's intermediate_size). Checked before any worker starts;
+    raises ValueError naming the counts and the other way to split. A dense model (no
+    num_experts / num_local_experts) passes whatever the options."""
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(
+        hf_config, "num_local_experts", None
+    )
+    if not isinstance(num_experts, int) or num_experts <= 0 or tp_size == 1:
+        return
+    if expert_parallel:
+        if num_experts % tp_size:
+            raise ValueError(
+                f"num_experts ({num_experts}) is not divisible by tensor_parallel_size "
+                f"({tp_size}): expert parallelism (enable_expert_parallel) puts "
+                f"num_experts / tensor_parallel_size whole experts on each rank; without it "
+                f"each expert is split across the ranks instead"
+            )
+        return
+    intermediate = getattr(hf_config, "moe_intermediate_size", None) or getattr(
+        hf_config, "intermediate_size", None
+    )
+    if isinstance(intermediate, int) and intermediate % tp_size:
+        raise ValueError(
+            f"the experts' intermediate size ({intermediate}) is not divisible by "
+            f"tensor_parallel_size ({tp_size}); enable_expert_parallel places whole experts "
+            f"on the ranks instead"
         )

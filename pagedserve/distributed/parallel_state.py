@@ -18,16 +18,21 @@ import torch.distributed as dist
 class _ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
+    # Expert parallelism (`--enable-expert-parallel`): the MoE layers place whole experts on
+    # the tensor-parallel ranks instead of splitting every expert across them.
+    expert_parallel: bool = False
 
 
 _STATE = _ParallelState()
 
 
-def set_tensor_parallel_state(tp_rank: int, tp_size: int) -> None:
-    """Record this process's tensor-parallel rank; called once by the worker at startup."""
+def set_tensor_parallel_state(tp_rank: int, tp_size: int, expert_parallel: bool = False) -> None:
+    """Record this process's tensor-parallel rank and whether the MoE layers use expert
+    parallelism over the same ranks; called once by the worker at startup."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     _STATE.tp_rank, _STATE.tp_size = tp_rank, tp_size
+    _STATE.expert_parallel = expert_parallel
 
 
 def get_tp_rank() -> int:
@@ -38,8 +43,19 @@ def get_tp_size() -> int:
     return _STATE.tp_size
 
 
+def get_expert_parallel() -> bool:
+    """Whether MoE layers hold whole experts per rank (expert parallelism) rather than a
+    1/tp_size slice of every expert; the expert-parallel ranks are the tensor-parallel ones."""
+    return _STATE.expert_parallel
+
+
 def init_distributed(
-    tp_rank: int, tp_size: int, init_method: str, device: torch.device, timeout_s: float
+    tp_rank: int,
+    tp_size: int,
+    init_method: str,
+    device: torch.device,
+    timeout_s: float,
+    expert_parallel: bool = False,
 ) -> None:
     """Join the tensor-parallel group (the default process group) as `tp_rank`.
 
@@ -48,8 +64,9 @@ def init_distributed(
     timeout_s: how long the rendezvous and every collective may wait for the other ranks
         before raising (gloo) or aborting the process (NCCL's watchdog): a dead or stuck
         peer never hangs this rank forever.
+    expert_parallel: MoE layers place whole experts on the ranks (`get_expert_parallel`).
     """
-    set_tensor_parallel_state(tp_rank, tp_size)
+    set_tensor_parallel_state(tp_rank, tp_size, expert_parallel)
     if tp_size == 1:
         return  # no collectives: comm's functions are the identity
     dist.init_process_group(

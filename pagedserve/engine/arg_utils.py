@@ -142,6 +142,7 @@ class EngineArgs:
     data_parallel_size: int = _FROM_CONFIG
     distributed_executor_backend: str | None = _FROM_CONFIG
     distributed_timeout_s: float = _FROM_CONFIG
+    enable_expert_parallel: bool = _FROM_CONFIG
     device: str = _FROM_CONFIG
     attention_backend: str = _FROM_CONFIG
     enforce_eager: bool = _FROM_CONFIG

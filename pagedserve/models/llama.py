@@ -1,6 +1,6 @@
 """Llama 2/3 and Mistral decoder-only models on paged attention (also the base of Qwen2/Qwen3)."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -128,11 +128,12 @@ class LlamaMLP(nn.Module):
         hf_config: Any,
         quant_config: QuantizationConfig | None = None,
         hidden_act: str | None = None,
+        intermediate_size: int | None = None,  # the config's intermediate_size when None
     ) -> None:
         super().__init__()
         self.act_fn = get_gated_act_fn(hidden_act or str(getattr(hf_config, "hidden_act", "silu")))
         bias = bool(getattr(hf_config, "mlp_bias", False))
-        intermediate_size = hf_config.intermediate_size
+        intermediate_size = intermediate_size or hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             hf_config.hidden_size, [intermediate_size, intermediate_size], bias, quant_config
         )
@@ -149,7 +150,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; carries the residual stream separately so norms can fuse the add."""
+    """Pre-norm block; carries the residual stream separately so norms can fuse the add.
+    `mlp` replaces the dense LlamaMLP (a mixture-of-experts block), called as mlp(x)."""
 
     def __init__(
         self,
@@ -157,10 +159,11 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         attention_cls: type[LlamaAttention],
         quant_config: QuantizationConfig | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = attention_cls(hf_config, rotary_emb, quant_config)
-        self.mlp = LlamaMLP(hf_config, quant_config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(hf_config, quant_config)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -197,20 +200,28 @@ def pre_norm_attention(
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+    """Embedding, decoder layers and final norm (HF's `model.` prefix). `build_mlp(i)`, when
+    given, builds layer i's feed-forward block (mixture-of-experts models)."""
 
     def __init__(
         self,
         hf_config: Any,
         attention_cls: type[LlamaAttention],
         quant_config: QuantizationConfig | None = None,
+        build_mlp: Callable[[int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         rotary_emb = get_rope(hf_config, get_head_dim(hf_config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, rotary_emb, attention_cls, quant_config)
-            for _ in range(hf_config.num_hidden_layers)
+            LlamaDecoderLayer(
+                hf_config,
+                rotary_emb,
+                attention_cls,
+                quant_config,
+                None if build_mlp is None else build_mlp(i),
+            )
+            for i in range(hf_config.num_hidden_layers)
         )
         for layer, window in zip(self.layers, layer_sliding_windows(hf_config), strict=True):
             attn: Attention = layer.self_attn.attn  # type: ignore[union-attr,assignment]

@@ -27,9 +27,15 @@ _MODELS: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
         "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
         "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+        "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+        "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+        "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     }
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
+# Native architectures whose layers take no quantization method yet: the mixture-of-experts
+# models (their FusedMoE experts have no quantized weights or kernels).
+_UNQUANTIZED_ONLY = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 def resolve_model_impl(architectures: list[str], model_impl: str, hf_config: Any) -> str:
@@ -71,7 +77,8 @@ def check_model_impl(
     Returns "pagedserve" or "transformers". Raises UnsupportedModelError as
     `resolve_model_impl`, and for a multimodal config (its language model in `text_config`);
     ValueError for tensor_parallel_size > 1 without a TP plan or a quantization method with
-    the transformers backend (each naming the option and the way out).
+    the transformers backend (each naming the option and the way out); NotImplementedError
+    for a quantization method with a native mixture-of-experts model (naming the method).
     """
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if getattr(hf_config, "text_config", None) is not None and not hasattr(hf_config, "vocab_size"):
@@ -84,6 +91,13 @@ def check_model_impl(
             f"yet; a text-only checkpoint of the family (e.g. Gemma3ForCausalLM) runs"
         )
     impl = resolve_model_impl(architectures, model_impl, hf_config)
+    native = next((a for a in architectures if a in _MODELS), None)
+    if impl == "pagedserve" and quantization is not None and native in _UNQUANTIZED_ONLY:
+        raise NotImplementedError(
+            f"{native} with quantization {quantization!r} is not supported yet: the "
+            f"mixture-of-experts layers run unquantized (bf16/fp16/fp32) weights only; use an "
+            f"unquantized checkpoint"
+        )
     if impl == "transformers":
         from pagedserve.models.transformers_backend.support import check_transformers_options
 

@@ -92,6 +92,7 @@ class Worker:
             distributed_init_method,
             device,
             timeout_s=config.parallel_config.distributed_timeout_s,
+            expert_parallel=config.parallel_config.enable_expert_parallel,
         )
         return device
 

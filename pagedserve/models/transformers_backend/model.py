@@ -244,7 +244,8 @@ class TransformersForCausalLM(nn.Module):
                 why = (
                     "transformers merges or splits this architecture's checkpoint tensors when "
                     "loading (e.g. per-expert MoE weights into fused ones), which the "
-                    "transformers backend does not do yet"
+                    "transformers backend does not do yet (model_impl 'auto' runs native "
+                    "architectures, e.g. Mixtral and Qwen MoE, with pagedserve's own code)"
                     if self._converts
                     else "does config.json's architecture match the weights?"
                 )
