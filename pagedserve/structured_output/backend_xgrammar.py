@@ -162,7 +162,7 @@ class XgrammarGrammar:
     def __init__(self, compiled: Any) -> None:
         import xgrammar as xgr
 
-        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK_TOKENS)
+        self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar 0.2
         self.num_processed_tokens = 0
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
@@ -175,7 +175,7 @@ class XgrammarGrammar:
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens (at most _MAX_ROLLBACK_TOKENS)."""
+        """Undo the last `num_tokens` accepted tokens."""
         if num_tokens > 0:
             self.matcher.rollback(num_tokens)
             self.num_processed_tokens -= num_tokens
@@ -187,8 +187,3 @@ class XgrammarGrammar:
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
-
-
-# How many accepted tokens a matcher can undo: a preempted request's kept tokens never lag
-# its accepted ones by more than the steps in flight (at most 2), so a small window suffices.
-_MAX_ROLLBACK_TOKENS = 16
