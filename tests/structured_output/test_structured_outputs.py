@@ -188,7 +188,8 @@ def test_async_scheduling_matches_sync(tiny_qwen3: Path) -> None:
     """Async scheduling (the next step planned while this one runs): a constrained request
     waits for its token before it is scheduled again; the outputs equal the sync engine's."""
     schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]},
-              "v": {"type": "integer", "minimum": 0, "maximum": 9999}}, "required": ["k", "v"]}  # fmt: skip
+              "v": {"type": "integer", "minimum": 0, "maximum": 9999}},
+              "required": ["k", "v"]}  # fmt: skip
     params = [
         constrained(json=schema, disable_any_whitespace=True, seed=1),
         SamplingParams(max_tokens=20, temperature=0.0),
