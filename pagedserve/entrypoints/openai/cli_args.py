@@ -17,6 +17,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.entrypoints.options import add_options, markdown_table
 
 from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from .tool_parsers import TOOL_PARSERS
 
 
 def port(text: str) -> int:
@@ -65,6 +66,19 @@ class ServerArgs:
         None,
         help="Jinja chat template: a file, or the template itself",
         default_text="the tokenizer's",
+    )
+    enable_auto_tool_choice: bool = option(
+        False,
+        help='let the model decide when to call tools (tool_choice "auto", the default of a '
+        "request with tools); needs --tool-call-parser",
+        cli={"action": "store_true"},
+    )
+    tool_call_parser: str | None = option(
+        None,
+        help="how the model writes tool calls, to find them in its output (tool_choice "
+        '"auto"); "required" and a named function work without it',
+        default_text="none",
+        cli={"choices": TOOL_PARSERS},
     )
     max_request_body_bytes: int = option(
         DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -116,6 +130,12 @@ def resolve_server_args(args: argparse.Namespace) -> argparse.Namespace:
     if not args.served_model_name:
         args.served_model_name = [args.model]
     return args
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """Raise ValueError for flags that do not go together (vLLM's checks)."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,6 +131,8 @@ def check_unsupported(request: SamplingFields) -> None:
     pagedserve does not implement yet: serving such a request without them would return
     output that silently breaks the asked-for format."""
     for name in UNSUPPORTED_FIELDS:
+        if name in request.implemented_fields:
+            continue
         value = getattr(request, name)
         if name == "tools" and request.tool_choice == "none":
             continue  # tools the model must not call: a plain answer, as vLLM gives

@@ -112,8 +112,6 @@ def test_chat_errors_are_400(fake_app: InProcessApp) -> None:
     ("extra", "param"),
     [
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"guided_choice": ["a", "b"]}, "guided_choice"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
