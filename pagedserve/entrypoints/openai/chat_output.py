@@ -17,7 +17,7 @@ from pagedserve.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 from .protocol import ChatCompletionRequest, DeltaMessage
-from .protocol_tools import ChatCompletionNamedToolChoiceParam, FunctionCall, ToolCall
+from .protocol_tools import ChatCompletionNamedToolChoiceParam, ToolCall
 from .serving import OpenAIError
 from .tool_parsers import ParsedTools, PartialCall, ToolCallStreamer, ToolParser, get_tool_parser
 from .tool_parsers.abstract import scan_calls
@@ -203,20 +203,13 @@ class ChatOutputParser:
         reasoning, content = self._split_reasoning(text, True)
         # With a reasoning parser an absent answer is null (vLLM), else the text as is.
         plain = (content or None) if self.reasoning is not None else content
-        parsed = self.tools.parse(content, final=True) if self.tools is not None else None
-        if parsed is None or not parsed.calls:
+        whole = self.tools.parse_whole(content) if self.tools is not None else None
+        if whole is None:
             return reasoning, plain, []  # no (well-formed) call: the text is the content
-        assert self.tools is not None
-        calls = [
-            ToolCall(
-                id=self.tools.make_id(), function=FunctionCall(name=c.name, arguments=c.arguments)
-            )
-            for c in parsed.calls[: 1 if self.single_call else None]
-            if c.name is not None
-        ]
+        calls = whole[1][: 1 if self.single_call else None]
         if self.named or self.required:
             return reasoning, "", calls  # vLLM's content of a forced call
-        return reasoning, parsed.content or None, calls
+        return reasoning, whole[0] or None, calls
 
     def delta(self, delta_text: str, finished: bool) -> DeltaMessage | None:
         """What `delta_text` adds to the message (None: nothing yet); `finished` releases
@@ -229,7 +222,7 @@ class ChatOutputParser:
             message = DeltaMessage(content=content[self.num_content_chars :] or None)
             self.num_content_chars = len(content)
         else:
-            parsed = self.tools.parse(content, final=finished) or ParsedTools(content)
+            parsed = self.tools.parse_growing(content, finished)
             message = self.streamer.delta(parsed) or DeltaMessage()
         if self.single_call:
             message.tool_calls = [call for call in message.tool_calls if call.index == 0]

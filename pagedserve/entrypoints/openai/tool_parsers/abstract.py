@@ -114,17 +114,25 @@ class ToolParser(ABC):
         final=True: the whole output; None when it is not a well-formed tool call output
         (then all of it is content)."""
 
-    def extract_tool_calls(self, model_output: str) -> ExtractedToolCallInformation:
-        """The tool calls of a whole output (vLLM's name)."""
-        parsed = self.parse(model_output, final=True)
-        if parsed is None or not parsed.calls:
-            return ExtractedToolCallInformation(False, [], model_output)
+    def parse_whole(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        """(content, calls) of a whole output; None unless it holds well-formed calls, each
+        with a name (then all of it is content)."""
+        parsed = self.parse(text, final=True)
+        if parsed is None or not parsed.calls or any(c.name is None for c in parsed.calls):
+            return None
         calls = [
             ToolCall(id=self.make_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
             for c in parsed.calls
             if c.name is not None
         ]
-        return ExtractedToolCallInformation(True, calls, parsed.content or None)
+        return parsed.content, calls
+
+    def extract_tool_calls(self, model_output: str) -> ExtractedToolCallInformation:
+        """The tool calls of a whole output (vLLM's name)."""
+        whole = self.parse_whole(model_output)
+        if whole is None:
+            return ExtractedToolCallInformation(False, [], model_output)
+        return ExtractedToolCallInformation(True, whole[1], whole[0] or None)
 
     def extract_tool_calls_streaming(
         self, previous_text: str, current_text: str, delta_text: str, finished: bool = False
@@ -132,10 +140,14 @@ class ToolParser(ABC):
         """What `delta_text` adds (vLLM's name; its token-id arguments are not needed by these
         text-based parsers). `finished`: the output is complete, so what was held back (a
         cut-off marker, a would-be call that is not one) is sent now. None: nothing yet."""
-        parsed = self.parse(current_text, final=finished)
-        if parsed is None:
-            parsed = ParsedTools(current_text)
-        return self.streamer.delta(parsed)
+        return self.streamer.delta(self.parse_growing(current_text, finished))
+
+    def parse_growing(self, text: str, finished: bool) -> ParsedTools:
+        """The parse a stream sends the growth of: at the end, that of `parse_whole`."""
+        parsed = self.parse(text, final=finished)
+        if finished and (parsed is None or any(c.name is None for c in parsed.calls)):
+            return ParsedTools(text)
+        return parsed if parsed is not None else ParsedTools(text)
 
 
 def content_before(text: str, marker: str, final: bool) -> tuple[int, ParsedTools | None]:

@@ -16,6 +16,7 @@ from .abstract import ParsedTools, PartialCall, ToolParser, register_tool_parser
 # What an output that is (or may become) a call list starts like.
 _MAY_BE_CALLS = re.compile(r"\s*(\[\s*([A-Za-z_][\w.]*\s*(\(.*)?)?)?\Z", re.DOTALL)
 _CALL_START = re.compile(r"[\s,]*([A-Za-z_][\w.]*)\s*\(")
+_KEYWORDS_START = re.compile(r"\s*(\)|[A-Za-z_]\w*\s*=)")
 
 
 def _arguments(call: ast.expr) -> tuple[str, str]:
@@ -76,7 +77,9 @@ class PythonicToolParser(ToolParser):
                 break
             end = _call_ends(text, match.end() - 1)
             if end is None:
-                parsed.calls.append(PartialCall(match.group(1), ""))
+                # Its name is sent once the arguments are seen to be keywords (or none).
+                if _KEYWORDS_START.match(text, match.end()):
+                    parsed.calls.append(PartialCall(match.group(1), ""))
                 break
             try:
                 name, arguments = _arguments(
