@@ -134,7 +134,10 @@ def test_stream_sends_arguments_as_they_are_written() -> None:
 def test_forced_calls() -> None:
     """tool_choice "required": a JSON array of {"name", "parameters"}; a named function: the
     whole output is its arguments. Streamed pieces join to the whole result."""
-    output = f'[{{"name": "get_weather", "parameters": {WEATHER}}}, {{"name": "now", "parameters": {{}}}}]'
+    output = (
+        f'[{{"name": "get_weather", "parameters": {WEATHER}}}, '
+        '{"name": "now", "parameters": {}}]'
+    )
     calls = RequiredToolParser().extract_tool_calls(output).tool_calls
     assert [(c.function.name, c.function.arguments) for c in calls] == [
         ("get_weather", WEATHER), ("now", "{}"),
