@@ -149,6 +149,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": 32000,
         "pad_token_id": 32000,
     },
+    # Qwen3-0.6B's vocabulary (so that the Qwen3 tokenizer fits) on a 2-layer body, for CPU
+    # smoke runs of benchmarks that need a real tokenizer (structured_outputs.py).
+    "tiny-qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 151936,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
     # A ~4M-parameter Llama for CPU runs.
     "tiny-llama-4m": {
         **_LLAMA_COMMON,

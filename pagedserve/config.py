@@ -405,6 +405,13 @@ class StructuredOutputsConfig:
         cli={"choices": REASONING_PARSERS},
     )
 
+    disable_any_whitespace: bool = option(
+        False,
+        help="JSON outputs (response_format, json schemas) without optional whitespace, for "
+        "every request (vLLM's structured_outputs_config.disable_any_whitespace); a weak "
+        "model may otherwise emit whitespace until max_tokens",
+    )
+
     def __post_init__(self) -> None:
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(

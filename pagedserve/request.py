@@ -2,6 +2,7 @@
 
 import enum
 import time
+from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
 
@@ -80,6 +81,10 @@ class Request:
         # prefix-cache hit (vLLM's Request.skip_reading_prefix_cache). Its blocks are still
         # written to the cache for the requests after it.
         self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None
+        # The grammar state of a request with `structured_outputs` (a
+        # structured_output.manager.StructuredOutputRequest, set by the StructuredOutputManager
+        # when the scheduler admits it; typed Any: this leaf imports nothing of the engine).
+        self.structured_output: Any = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -110,6 +115,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.all_token_ids.extend(token_ids)

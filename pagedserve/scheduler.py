@@ -10,11 +10,13 @@ from pagedserve.messages import EngineCoreOutput
 from pagedserve.request import FINISH_REASONS, Request, RequestStatus
 from pagedserve.step import (
     PLACEHOLDER_TOKEN_ID,
+    GrammarOutput,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagedserve.structured_output.manager import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -38,12 +40,26 @@ class Scheduler:
     the newest running request is preempted: its blocks are freed and it is recomputed later
     (its tokens so far are kept). `num_computed_tokens` advances when tokens are scheduled,
     as in vLLM v1. Imports no torch.
+
+    Structured outputs (`structured_output_manager`): a constrained request waits, skipped,
+    until its grammar is compiled; each step carries the bitmask of the constrained requests
+    that sample; their sampled tokens advance their grammars. With async scheduling a
+    constrained request is not scheduled again while its token is in flight (its next mask
+    depends on that token); the others still run ahead.
     """
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
+        self.structured_output_manager = structured_output_manager
+        # Outputs made outside a step (a request whose grammar failed to compile), returned
+        # by `take_pending_outputs`.
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -78,6 +94,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.use_structured_output:
+            if self.structured_output_manager is None:
+                raise ValueError("structured outputs need a StructuredOutputManager")
+            self.structured_output_manager.init_request(request)
         self.requests[request.request_id] = request
         self._num_needing_tokens += _needs_output_tokens(request)
         self.waiting.append(request)
@@ -127,7 +147,12 @@ class Scheduler:
                 )
             )
         finished_ids, self._finished_ids = self._finished_ids, set()
-        output = SchedulerOutput(plan.new_requests, scheduled_requests, finished_ids)
+        output = SchedulerOutput(
+            plan.new_requests,
+            scheduled_requests,
+            finished_ids,
+            self._grammar_output(plan, scheduled_requests),
+        )
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         if scheduled_requests:
             # Which Request objects this step is for: a request id may be reused by a new
@@ -138,12 +163,40 @@ class Scheduler:
                 del self._launched[next(iter(self._launched))]
         return output
 
+    def _grammar_output(
+        self, plan: _StepPlan, scheduled_requests: list[ScheduledRequest]
+    ) -> GrammarOutput | None:
+        """The bitmask rows of the constrained requests that sample this step."""
+        manager = self.structured_output_manager
+        if manager is None:
+            return None
+        constrained = [
+            request
+            for (request, _, _), scheduled in zip(plan.scheduled, scheduled_requests, strict=True)
+            if scheduled.sample and manager.should_fill_bitmask(request)
+        ]
+        if not constrained:
+            return None
+        return GrammarOutput(
+            [r.request_id for r in constrained], manager.grammar_bitmask(constrained)
+        )
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests finished outside a step (their grammar failed to compile)."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
     def _schedule_running(self, plan: _StepPlan) -> None:
         i = 0
         while i < len(self.running) and plan.token_budget > 0:
             request = self.running[i]
             num_new_tokens = min(request.num_uncomputed_tokens, plan.token_budget)
-            if num_new_tokens == 0 or self._ends_in_flight(request):
+            if (
+                num_new_tokens == 0
+                or self._ends_in_flight(request)
+                # its next mask needs the token in flight (async scheduling)
+                or (request.use_structured_output and request.num_output_placeholders > 0)
+            ):
                 i += 1
                 continue
             while (new_block_ids := self.kv_cache.allocate_slots(request, num_new_tokens)) is None:
@@ -156,10 +209,25 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        compiling: list[Request] = []  # skipped: their grammars are not compiled yet
+        try:
+            self._admit_waiting(plan, compiling)
+        finally:
+            self.waiting.extendleft(reversed(compiling))  # their places in the queue
+
+    def _admit_waiting(self, plan: _StepPlan, compiling: list[Request]) -> None:
         while (
             self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            manager = self.structured_output_manager
+            if manager is not None and not manager.is_ready(request):
+                compiling.append(self.waiting.popleft())
+                continue
+            if request.structured_output is not None and request.structured_output.failed:
+                self.waiting.popleft()
+                self._fail_request(request)
+                continue
             # A request preempted with a token in flight gets it (update_from_output) before
             # the next schedule: preemption stops admission for the step it happens in.
             assert request.num_output_placeholders == 0
@@ -198,7 +266,20 @@ class Scheduler:
             or request.num_tokens + pending >= self.max_model_len
         )
 
+    def _fail_request(self, request: Request) -> None:
+        """End a request the engine cannot serve (its grammar failed to compile: the log has
+        why) with finish_reason "abort"."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free(request)
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request.request_id, [], finish_reason=FINISH_REASONS[request.status].value
+            )
+        )
+
     def _preempt(self, request: Request) -> None:
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.sync_after_preemption(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -237,7 +318,12 @@ class Scheduler:
             # A request preempted after this step was launched (async scheduling) still
             # keeps the token: its recomputation starts from all its tokens.
             request.append_output_token_ids([token_id])
+            terminated = self.structured_output_manager is not None and (
+                self.structured_output_manager.accept_token(request, token_id)
+            )
             status = self._check_stop(request, token_id)
+            if status is None and terminated:  # the grammar is complete (as vLLM: "stop")
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 if request.status == RequestStatus.RUNNING:
                     self.running.remove(request)
@@ -280,6 +366,8 @@ class Scheduler:
         self.kv_cache.free(request)
         del self.requests[request.request_id]
         request.num_output_placeholders = 0  # a token still in flight for it is dropped
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.free_request(request)
         self._num_needing_tokens -= _needs_output_tokens(request)
         self._finished_ids.add(request.request_id)
 

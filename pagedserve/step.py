@@ -5,6 +5,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 # The logprobs data are messages too (they reach the API server's process in EngineCoreOutput);
 # re-exported here, where the workers produce them.
 from pagedserve.messages import PromptLogprobsData, SampleLogprobsData
@@ -53,12 +55,26 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarOutput:
+    """The token bitmask of the step's constrained requests (vLLM's GrammarOutput).
+
+    Row i is for `structured_output_request_ids[i]` (each of them samples this step): bit t
+    of int32 word t // 32 set = token t allowed. [num_constrained_rows, ceil(vocab_size / 32)]
+    int32; the sampler bans the rest of that request's logits row.
+    """
+
+    structured_output_request_ids: list[str]
+    grammar_bitmask: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """Everything the workers need for one step; requests in batch order."""
 
     new_requests: list[NewRequestData]
     scheduled_requests: list[ScheduledRequest]
     finished_request_ids: set[str] = field(default_factory=set)  # drop their worker state
+    grammar: GrammarOutput | None = None  # None: no constrained request samples this step
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

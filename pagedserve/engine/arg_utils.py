@@ -145,6 +145,7 @@ class EngineArgs:
     enforce_eager: bool = _FROM_CONFIG
     structured_outputs_backend: str = _FROM_CONFIG
     reasoning_parser: str | None = _FROM_CONFIG
+    disable_any_whitespace: bool = _FROM_CONFIG
 
     def __post_init__(self) -> None:
         # A path object names a folder as well as a string does.

@@ -6,6 +6,7 @@ It sees only token ids. Tokenizing, detokenizing and stop strings happen in the 
 
 import gc
 import logging
+from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.executor.factory import create_executor
@@ -14,6 +15,7 @@ from pagedserve.messages import EngineCoreOutput, SchedulerStats
 from pagedserve.request import Request, RequestStatus
 from pagedserve.scheduler import Scheduler
 from pagedserve.step import AsyncModelRunnerOutput, SchedulerOutput
+from pagedserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +63,10 @@ class EngineCore:
             config.cache_config.enable_prefix_caching,
             sliding_window=self.sliding_window,
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, max_model_len)
+        self.structured_output_manager = _structured_output_manager(config)
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.kv_cache, max_model_len, self.structured_output_manager
+        )
         async_scheduling = config.scheduler_config.async_scheduling
         # Default: on where the device runs asynchronously to the host.
         self.async_scheduling = (
@@ -109,8 +114,8 @@ class EngineCore:
         may already be in N+1, whose token for it is dropped.
         """
         if not self.async_scheduling:
-            return self._step_sync()
-        outputs = []
+            return self._step_sync() + self.scheduler.take_pending_outputs()
+        outputs = self.scheduler.take_pending_outputs()
         if self._in_flight is not None and not self.scheduler.can_schedule_ahead:
             outputs = self._finish_in_flight()
         scheduler_output = self.scheduler.schedule()
@@ -152,4 +157,28 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def _structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
+    """The grammar engine of structured outputs. It loads the tokenizer (in its compile
+    thread) only when the first constrained request arrives."""
+    model_config = config.model_config
+
+    def load() -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(
+            model_config.tokenizer,
+            local_files_only=True,
+            trust_remote_code=model_config.trust_remote_code,
+        )
+
+    return StructuredOutputManager(
+        load,
+        int(model_config.hf_config.vocab_size),
+        list(model_config.eos_token_ids),
+        config.structured_outputs_config.reasoning_parser,
+        disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace,
+    )

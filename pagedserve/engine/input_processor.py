@@ -9,6 +9,7 @@ from pagedserve.config import DEFAULT_MAX_LOGPROBS
 from pagedserve.engine.prompt_bound import check_prompt_chars
 from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams, is_default_max_tokens
+from pagedserve.structured_output.backend_xgrammar import validate_structured_outputs
 
 # A prompt as vLLM accepts it: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
 PromptType = str | Mapping[str, Any]
@@ -128,10 +129,7 @@ class InputProcessor:
     def _check_sampling_params(self, params: SamplingParams) -> None:
         """The checks that need the model: token ids inside the vocabulary, max_logprobs."""
         if params.structured_outputs is not None:
-            # Issue 17 is building the grammar engine; until it lands, refuse, never ignore.
-            raise InvalidRequestError(
-                "structured_outputs is not supported yet", param="structured_outputs"
-            )
+            self._check_structured_outputs(params)
         token_id_lists = {
             "stop_token_ids": params.stop_token_ids or [],
             "logit_bias": list(params.logit_bias or {}),
@@ -153,6 +151,19 @@ class InputProcessor:
                     f"fewer, or start the engine with a larger max_logprobs",
                     name,
                 )
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """The constraint must parse (xgrammar), so that a bad one is refused here, never in
+        the engine loop. The server checks it first under the request's own field name
+        (response_format, guided_json, ...); the check is cached, so it is parsed once."""
+        assert params.structured_outputs is not None
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "structured_outputs needs the tokenizer (the grammar is compiled against the "
+                "vocabulary); this engine has none (skip_tokenizer_init)",
+                "structured_outputs",
+            )
+        validate_structured_outputs(params.structured_outputs, "structured_outputs")
 
     def _bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]] | None:
         """Token ids of each bad word, alone and after a space when that tokenizes to other

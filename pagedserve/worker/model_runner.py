@@ -20,6 +20,7 @@ from pagedserve.step import (
     SchedulerOutput,
 )
 from pagedserve.worker.cuda_graph import CudaGraphRunner
+from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.worker.input_batch import CachedRequestState, ModelInput, build_model_input
 from pagedserve.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from pagedserve.worker.sampling_metadata import SamplingMetadata, SamplingStateManager
@@ -83,6 +84,8 @@ class ModelRunner:
         if not model_input.sampled_request_ids:
             return AsyncModelRunnerOutput(ModelRunnerOutput([], [], [], prompt_logprobs))
         logits = self._compute_logits(hidden_states[model_input.logits_indices])
+        if scheduler_output.grammar is not None:  # structured outputs: before any sampling
+            apply_grammar_bitmask(logits, scheduler_output.grammar, model_input.sampled_request_ids)
         metadata = self._sampling_metadata(model_input)
         sampler_output = self.sampler.forward(logits, metadata)
         # Every rank feeds rank 0's tokens at the next step's placeholders (random draws

@@ -15,6 +15,7 @@ from pagedserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     is_option,
     option,
     option_default,
@@ -23,7 +24,14 @@ from pagedserve.engine import arg_utils
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.entrypoints.llm import LLM
 
-CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
+CONFIGS = (
+    ModelConfig,
+    CacheConfig,
+    SchedulerConfig,
+    ParallelConfig,
+    DeviceConfig,
+    StructuredOutputsConfig,
+)
 
 
 def _config_options() -> dict[str, dataclasses.Field[Any]]:

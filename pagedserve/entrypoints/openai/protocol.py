@@ -99,24 +99,26 @@ class SamplingFields(RequestModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
-    # Not implemented (structured outputs, tool calling): parsed so that a request that sets
-    # them gets a 400 saying so, instead of an answer made without them.
+    # Structured outputs (structured_fields.py turns them into one StructuredOutputsParams)
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: Any = None  # removed by vLLM: a 400 naming it
+    # Not implemented (tool calling): parsed so that a request that sets them gets a 400
+    # saying so, instead of an answer made without them.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     logits_processors: Any = None
 
 
 UNSUPPORTED_FIELDS = (
-    "response_format", "tools", "tool_choice", "functions", "function_call", "guided_json",
-    "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "logits_processors",
+    "tools", "tool_choice", "functions", "function_call", "logits_processors",
 )  # fmt: skip
 
 

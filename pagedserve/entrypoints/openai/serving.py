@@ -29,6 +29,7 @@ from .protocol import (
     SamplingFields,
     UsageInfo,
 )
+from .structured_fields import structured_outputs_of
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,6 @@ def _logit_bias(request: SamplingFields) -> dict[int, float] | None:
 
 # Values of the unimplemented fields that ask for nothing (clients send them by default).
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
@@ -127,8 +127,8 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
 
 
 def check_unsupported(request: SamplingFields) -> None:
-    """400 for structured outputs, tool calling and custom logits processors, which
-    pagedserve does not implement yet: serving such a request without them would return
+    """400 for tool calling and custom logits processors, which pagedserve does not
+    implement yet: serving such a request without them would return
     output that silently breaks the asked-for format."""
     for name in UNSUPPORTED_FIELDS:
         if name in request.implemented_fields:
@@ -139,8 +139,8 @@ def check_unsupported(request: SamplingFields) -> None:
         if value not in _NO_OP_VALUES.get(name, (None,)):
             raise OpenAIError(
                 400,
-                f"{name} is not supported by pagedserve yet (structured outputs, tool calling "
-                f"and logits processors are not implemented); remove it from the request",
+                f"{name} is not supported by pagedserve yet (tool calling and logits "
+                f"processors are not implemented); remove it from the request",
                 name,
             )
 
@@ -202,6 +202,7 @@ def sampling_params(
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
+        structured_outputs=structured_outputs_of(request),
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
     )
 

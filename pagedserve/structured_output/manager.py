@@ -1,0 +1,259 @@
+"""StructuredOutputManager: compiles grammars off the step loop, keeps each constrained
+sequence's matcher, and fills the step's token bitmask (vLLM's `vllm/v1/structured_output`).
+
+The scheduler owns one. Its life with a request:
+
+    add_request      init_request: the compile is submitted to a thread pool (or found in the
+                     cache, keyed by the constraint); the request waits, skipped by the
+                     scheduler, until `is_ready` (which then makes its GrammarMatcher)
+    schedule()       grammar_bitmask: one int32 row per constrained request that samples this
+                     step, sent with the SchedulerOutput; the sampler bans what a row forbids
+    update_from_output  accept_token: the matcher advances with the sampled token; when it
+                     terminates the request finishes (stop)
+    preemption       sync_after_preemption: the matcher's state matches the kept tokens
+    finish           free_request
+
+With a reasoning parser (`StructuredOutputsConfig.reasoning_parser`), the mask applies only
+once `is_reasoning_end` holds: the thinking is free text, the answer is constrained. No torch
+here: the bitmask is a numpy array, which xgrammar fills directly.
+"""
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pagedserve.reasoning import ReasoningParser, get_reasoning_parser
+from pagedserve.request import Request
+from pagedserve.structured_output.backend_xgrammar import (
+    XgrammarBackend,
+    XgrammarGrammar,
+    constraint_key,
+)
+from pagedserve.structured_outputs_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 1024  # compiled grammars kept (LRU); a JSON schema's is tens of KB
+
+
+@dataclass(slots=True)
+class StructuredOutputRequest:
+    """A request's constraint and its state in the manager (vLLM's StructuredOutputRequest)."""
+
+    params: StructuredOutputsParams
+    compiled: "Future[Any]"  # the CompiledGrammar, from the cache or the thread pool
+    grammar: XgrammarGrammar | None = None  # made when the compile is done
+    failed: bool = False  # the compile raised (the scheduler aborts the request)
+    reasoning_ended: bool = True  # False while the thinking runs: no mask, no advance
+    num_output_tokens_before: int = 0  # output tokens not fed to the grammar (the thinking)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarStats:
+    """Cumulative compile-cache counters (a miss is a compile)."""
+
+    num_cache_hits: int
+    num_cache_misses: int
+    compile_seconds: float  # summed over the compiles done
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.num_cache_hits + self.num_cache_misses
+        return self.num_cache_hits / total if total else 0.0
+
+
+class StructuredOutputManager:
+    """The engine's grammar side (see the module docstring).
+
+    load_tokenizer: returns the model's Hugging Face tokenizer; called once, in the compile
+    thread, when the first constraint arrives (so that an engine without constraints never
+    builds xgrammar's vocabulary tables, and the step loop never waits for them).
+    vocab_size: the width of the model's logits. stop_token_ids: the model's EOS ids.
+    reasoning_parser: a registered reasoning parser's name, or None.
+    disable_any_whitespace: no optional whitespace in any request's JSON (the engine's
+    option; a request may also ask for it itself).
+    """
+
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], Any],
+        vocab_size: int,
+        stop_token_ids: list[int],
+        reasoning_parser: str | None = None,
+        max_workers: int | None = None,
+        disable_any_whitespace: bool = False,
+    ) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self.reasoning_parser = reasoning_parser
+        self.disable_any_whitespace = disable_any_whitespace
+        workers = max_workers or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()  # the backend's creation, the counters
+        self._backend: XgrammarBackend | None = None
+        self._reasoner: ReasoningParser | None = None
+        self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
+        self._num_hits = 0
+        self._num_misses = 0
+        self._compile_seconds = 0.0
+        self._batch_matcher: Any = None
+        self._bitmask = np.zeros((0, (vocab_size + 31) // 32), np.int32)
+
+    # -- compiling ------------------------------------------------------------------------
+
+    def init_request(self, request: Request) -> None:
+        """Start (or find in the cache) the compile of `request`'s constraint; attach its
+        StructuredOutputRequest. The request is not schedulable until `is_ready`."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        if self.disable_any_whitespace and not params.disable_any_whitespace:
+            params = dataclasses.replace(params, disable_any_whitespace=True)
+        key = constraint_key(params)
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not _failed(future):
+                self._cache.move_to_end(key)
+                self._num_hits += 1
+            else:
+                future = self._executor.submit(self._compile, params)
+                self._cache[key] = future
+                self._num_misses += 1
+                while len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        request.structured_output = StructuredOutputRequest(params, future)
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        backend = self._get_backend()
+        start = time.perf_counter()
+        compiled = backend.compile(params)
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self._compile_seconds += elapsed
+        return compiled
+
+    def _get_backend(self) -> XgrammarBackend:
+        with self._lock:
+            if self._backend is None:
+                tokenizer = self._load_tokenizer()
+                self._backend = XgrammarBackend(tokenizer, self.vocab_size, self.stop_token_ids)
+                if self.reasoning_parser is not None:
+                    self._reasoner = get_reasoning_parser(self.reasoning_parser, tokenizer)
+            return self._backend
+
+    def is_ready(self, request: Request) -> bool:
+        """Whether the request's grammar is compiled (or failed to: see `failed`); makes its
+        matcher the first time. A request without a constraint is always ready."""
+        state = request.structured_output
+        if state is None or state.grammar is not None or state.failed:
+            return True
+        if not state.compiled.done():
+            return False
+        try:
+            compiled = state.compiled.result()
+        except Exception:
+            logger.exception("compiling the grammar of request %s failed", request.request_id)
+            state.failed = True
+            return True
+        assert self._backend is not None
+        state.grammar = self._backend.new_matcher(compiled)
+        if self._reasoner is not None:
+            # The chat template may close the thinking in the prompt (Qwen3 with
+            # enable_thinking=False), as vLLM checks the prompt first.
+            state.reasoning_ended = self._reasoner.is_reasoning_end(request.prompt_token_ids)
+            if not state.reasoning_ended and request.num_output_tokens:
+                state.reasoning_ended = self._reasoner.is_reasoning_end(request.output_token_ids)
+        state.num_output_tokens_before = request.num_output_tokens
+        return True
+
+    def stats(self) -> GrammarStats:
+        with self._lock:
+            return GrammarStats(self._num_hits, self._num_misses, self._compile_seconds)
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    @staticmethod
+    def should_fill_bitmask(request: Request) -> bool:
+        """The request's next token is constrained: it has a grammar and its thinking (if any)
+        is over."""
+        state = request.structured_output
+        return state is not None and state.grammar is not None and state.reasoning_ended
+
+    def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
+        """The step's bitmask: row i (int32 words, bit t of word t // 32 = token t allowed)
+        for requests[i], each of which `should_fill_bitmask`. [len(requests), ceil(V / 32)]."""
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+
+            self._batch_matcher = xgr.BatchGrammarMatcher()
+        num_rows = len(requests)
+        if len(self._bitmask) < num_rows:
+            self._bitmask = np.zeros(
+                (max(num_rows, 2 * len(self._bitmask)), _width(self)), np.int32
+            )
+        bitmask = self._bitmask[:num_rows]
+        matchers = []
+        for request in requests:
+            state = request.structured_output
+            assert state is not None and state.grammar is not None
+            matchers.append(state.grammar.matcher)
+        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        return bitmask.copy()  # the buffer is reused next step; the step keeps its own
+
+    def accept_token(self, request: Request, token_id: int) -> bool:
+        """Advance the request's grammar by its newly appended output token; whether the
+        grammar has terminated (the request then finishes with "stop"). While the thinking
+        runs, the token is checked for its end instead (and not fed to the grammar)."""
+        state = request.structured_output
+        if state is None or state.grammar is None:
+            return False
+        if not state.reasoning_ended:
+            assert self._reasoner is not None
+            state.reasoning_ended = self._reasoner.is_reasoning_end(request.output_token_ids)
+            state.num_output_tokens_before = request.num_output_tokens
+            return False
+        if not state.grammar.accept_tokens([token_id]):
+            # Only if the sampled token escaped the mask (it should not): the grammar stays
+            # where it was, and the request goes on unconstrained by this token.
+            logger.warning(
+                "request %s: token %d is not allowed by its grammar", request.request_id, token_id
+            )
+            state.num_output_tokens_before += 1
+            return False
+        return bool(state.grammar.is_terminated())
+
+    def sync_after_preemption(self, request: Request) -> None:
+        """Make the grammar's state match the tokens the request keeps: roll back the tokens
+        it accepted that are no longer in `output_token_ids` (vLLM rolls back with
+        `grammar.rollback`). pagedserve's recompute keeps every sampled token, so this undoes
+        something only where an accepted token was dropped."""
+        state = request.structured_output
+        if state is None or state.grammar is None or not state.reasoning_ended:
+            return
+        kept = request.num_output_tokens - state.num_output_tokens_before
+        excess = state.grammar.num_processed_tokens - kept
+        if excess > 0:
+            state.grammar.rollback(excess)
+
+    def free_request(self, request: Request) -> None:
+        request.structured_output = None
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _width(manager: StructuredOutputManager) -> int:
+    return (manager.vocab_size + 31) // 32
+
+
+def _failed(future: "Future[Any]") -> bool:
+    return future.done() and future.exception() is not None

@@ -1,0 +1,161 @@
+"""Unit tests of the grammar engine's parts: the bitmask on the logits, rollback, the
+reasoning gate, request-time validation (milliseconds each, beyond the tokenizer tables)."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+
+from pagedserve import SamplingParams
+from pagedserve.errors import InvalidRequestError
+from pagedserve.reasoning import ReasoningParser
+from pagedserve.request import Request
+from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.step import GrammarOutput
+from pagedserve.structured_output.backend_xgrammar import validate_structured_outputs
+from pagedserve.structured_output.manager import StructuredOutputManager
+from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask, unpack_bitmask
+
+from .conftest import TOKENIZER_DIR
+
+VOCAB = 151936
+
+
+def test_bitmask_matches_xgrammar_and_bans_the_padded_vocabulary() -> None:
+    torch.manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 10), dtype=torch.int32)
+    logits = torch.randn(5, 300)  # narrower than the mask's 320 bits
+    expected = logits.clone()
+    for mask_row, row in enumerate([4, 0, 2]):
+        view = expected[row : row + 1]
+        xgr.apply_token_bitmask_inplace(view, bitmask[mask_row : mask_row + 1], vocab_size=300)
+    grammar = GrammarOutput(["e", "a", "c"], bitmask.numpy())
+    apply_grammar_bitmask(logits, grammar, ["a", "b", "c", "d", "e"])
+    assert torch.equal(logits, expected)
+    wide = unpack_bitmask(bitmask, 330)  # logits wider than 32 * 10: the rest is banned
+    assert not wide[:, 320:].any() and torch.equal(wide[:, :300], unpack_bitmask(bitmask, 300))
+
+
+class _EndsAtToken(ReasoningParser):
+    """Thinking ends at token 999 (a stand-in for `</think>`)."""
+
+    def is_reasoning_end(self, token_ids: Sequence[int]) -> bool:
+        return 999 in token_ids
+
+    def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
+        return None, text
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+def _manager(tokenizer: Any, reasoning_parser: str | None = None) -> StructuredOutputManager:
+    return StructuredOutputManager(
+        lambda: tokenizer, VOCAB, [tokenizer.eos_token_id], reasoning_parser
+    )
+
+
+def _request(prompt: list[int], **constraint: Any) -> Request:
+    params = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(**constraint))
+    return Request("r", prompt, params)
+
+
+def _ready(manager: StructuredOutputManager, request: Request) -> None:
+    manager.init_request(request)
+    request.structured_output.compiled.result(timeout=120)
+    assert manager.is_ready(request)
+
+
+def test_reasoning_gates_the_mask(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagedserve.reasoning as reasoning
+
+    monkeypatch.setitem(reasoning._REGISTRY, "qwen3", _EndsAtToken)
+    manager = _manager(tokenizer, "qwen3")
+    request = _request([1, 2, 3], choice=["yes"])
+    _ready(manager, request)
+    for token_id in (5, 6):  # thinking: free, and not fed to the grammar
+        assert not manager.should_fill_bitmask(request)
+        request.append_output_token_ids([token_id])
+        assert not manager.accept_token(request, token_id)
+    request.append_output_token_ids([999])
+    manager.accept_token(request, 999)  # the end of the thinking: not fed either
+    assert manager.should_fill_bitmask(request)
+    bitmask = manager.grammar_bitmask([request])
+    allowed = unpack_bitmask(torch.from_numpy(bitmask), VOCAB)[0].nonzero().flatten().tolist()
+    yes = tokenizer.encode("yes")
+    assert yes[0] in allowed and 5 not in allowed
+    for token_id in yes:
+        request.append_output_token_ids([token_id])
+        assert not manager.accept_token(request, token_id)
+    request.append_output_token_ids([tokenizer.eos_token_id])
+    assert manager.accept_token(request, tokenizer.eos_token_id)  # terminated: "stop"
+    # A prompt that closes the thinking (enable_thinking=False) constrains from the start.
+    closed = _request([1, 999, 3], choice=["yes"])
+    _ready(manager, closed)
+    assert manager.should_fill_bitmask(closed)
+    manager.shutdown()
+
+
+def test_rollback_after_preemption_matches_kept_tokens(tokenizer: Any) -> None:
+    manager = _manager(tokenizer)
+    request = _request([1], regex="ab+")
+    _ready(manager, request)
+    tokens = [tokenizer.encode(c)[0] for c in "abb"]
+    for token_id in tokens:
+        request.append_output_token_ids([token_id])
+        manager.accept_token(request, token_id)
+    grammar = request.structured_output.grammar
+    assert grammar.num_processed_tokens == 3
+    del request.all_token_ids[-1]  # a token accepted, then dropped
+    manager.sync_after_preemption(request)
+    assert grammar.num_processed_tokens == 2
+    mask = manager.grammar_bitmask([request])
+    assert unpack_bitmask(torch.from_numpy(mask), VOCAB)[0, tokens[2]]
+    manager.shutdown()
+
+
+def test_compile_runs_off_the_caller_and_caches(tokenizer: Any) -> None:
+    manager = _manager(tokenizer)
+    first, second = _request([1], json={"type": "integer"}), _request([2], json={"type": "integer"})
+    manager.init_request(first)
+    manager.init_request(second)  # same constraint: the same compile
+    assert first.structured_output.compiled is second.structured_output.compiled
+    first.structured_output.compiled.result(timeout=120)
+    assert manager.is_ready(first) and manager.is_ready(second)
+    stats = manager.stats()
+    assert (stats.num_cache_hits, stats.num_cache_misses) == (1, 1) and stats.hit_rate == 0.5
+    manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("constraint", "words"),
+    [
+        ({"json": {"type": "object", "properties": {"a": {"type": "strin"}}}}, "JSON schema"),
+        ({"regex": "(a"}, "parenthesis"),
+        ({"grammar": 'root ::= "a" b'}, "not defined"),
+        ({"structural_tag": "{not json"}, "structural_tag"),
+        ({"choice": ["a"], "whitespace_pattern": 5}, "whitespace_pattern"),
+    ],
+)
+def test_invalid_constraints_name_their_field(constraint: dict[str, Any], words: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        validate_structured_outputs(StructuredOutputsParams(**constraint), "guided_json")
+    assert info.value.param in ("guided_json", "structured_outputs")
+    assert words in str(info.value)
+    assert "/project/cpp" not in str(info.value)  # xgrammar's source position is cut
+
+
+def test_bitmask_rows_are_int32_words(tokenizer: Any) -> None:
+    manager = _manager(tokenizer)
+    request = _request([1], choice=["a"])
+    _ready(manager, request)
+    bitmask = manager.grammar_bitmask([request])
+    assert bitmask.dtype == np.int32 and bitmask.shape == (1, (VOCAB + 31) // 32)
+    manager.shutdown()
