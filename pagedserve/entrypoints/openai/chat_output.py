@@ -100,7 +100,9 @@ def apply_tool_params(
     """Set what tool calling needs in a request's SamplingParams: the JSON constraint of
     "required" or a named function; for "auto" with a parser, special tokens kept in the
     text (tool call markers are special tokens in some vocabularies; vLLM's parsers do this
-    too). Raises OpenAIError 400 when the request constrains its output otherwise as well."""
+    too). As in vLLM, the JSON may hold any whitespace unless the engine's
+    --disable-any-whitespace is set. Raises OpenAIError 400 when the request constrains its
+    output otherwise as well."""
     choice = tool_choice_of(request)
     constraint = None
     if choice == "required":
