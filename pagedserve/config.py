@@ -425,7 +425,7 @@ class StructuredOutputsConfig:
     reasoning_parser: str | None = option(
         None,
         help="splits the model's thinking text from its answer (the message's "
-        "reasoning_content); a constrained answer starts after the thinking ends",
+        "reasoning field); a constrained answer starts after the thinking ends",
         default_text="none",
         cli={"choices": REASONING_PARSERS},
     )

@@ -4,6 +4,7 @@ No FastAPI here: the offline path imports it. Errors are InvalidRequestError (a 
 HTTP 400 on the server) naming the request field at fault.
 """
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,8 +14,9 @@ from pagedserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-# Message keys passed on to the template besides role and content (vLLM passes these too).
-_PASSED_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
+# Message keys passed on to the template besides role, content, tool_calls and the
+# reasoning (vLLM passes these too).
+_PASSED_KEYS = ("name", "tool_call_id")
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -50,15 +52,50 @@ def _content_text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's tool calls as templates take them: each function's `arguments` a dict
+    (clients send OpenAI's JSON text; Hugging Face templates expect the object, and vLLM
+    parses it too). Raises InvalidRequestError for a call without a function name, or
+    arguments that are not a JSON object."""
+    if not isinstance(tool_calls, list | tuple):
+        raise InvalidRequestError(f"{where}.tool_calls must be a list", "messages")
+    calls = []
+    for i, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise InvalidRequestError(
+                f"{where}.tool_calls[{i}] needs a function with a name", "messages"
+            )
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as e:
+                raise InvalidRequestError(
+                    f"{where}.tool_calls[{i}].function.arguments is not valid JSON: {e}",
+                    "messages",
+                ) from None
+        elif arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise InvalidRequestError(
+                f"{where}.tool_calls[{i}].function.arguments must be a JSON object", "messages"
+            )
+        calls.append({**call, "function": {**function, "arguments": arguments}})
+    return calls
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: `content` a string (text parts joined by
     newlines, None as ""), the "developer" role as "system" (OpenAI's newer name for it).
 
     messages: dicts with "role" (a string) and "content" (a string, None, or a list of
-    {"type": "text", "text": str} parts); "name", "tool_calls", "tool_call_id" and
-    "reasoning_content" pass through. Raises InvalidRequestError (param "messages") for an
-    empty list, a message that is not a dict or has no role, and any content part other than
-    text (naming its type).
+    {"type": "text", "text": str} parts); "name" and "tool_call_id" pass through;
+    "tool_calls" with each function's arguments parsed to a dict; the earlier thinking
+    ("reasoning", or its older name "reasoning_content") under both names (templates read
+    either). Raises InvalidRequestError (param "messages") for an empty list, a message
+    that is not a dict or has no role, any content part other than text (naming its type),
+    and a malformed tool call.
     """
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of messages", "messages")
@@ -80,6 +117,13 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         for key in _PASSED_KEYS:
             if message.get(key) is not None:
                 item[key] = message[key]
+        if message.get("tool_calls") is not None:
+            item["tool_calls"] = _tool_calls(message["tool_calls"], where)
+        reasoning = message.get("reasoning")
+        if reasoning is None:
+            reasoning = message.get("reasoning_content")
+        if reasoning is not None:
+            item["reasoning"] = item["reasoning_content"] = reasoning
         normalized.append(item)
     return normalized
 
@@ -111,6 +155,7 @@ def render_chat(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     add_special_tokens: bool = False,
     max_model_len: int | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and token ids of a conversation (`normalize_messages`, then the chat
     template, then the tokenizer).
@@ -121,7 +166,9 @@ def render_chat(
     (e.g. BOS) when encoding the rendered text, on top of what the template holds. Default
     False: templates hold their BOS, so the ids equal `apply_chat_template(...,
     tokenize=True)`. max_model_len (None: no check) refuses a text too long to fit before
-    encoding it.
+    encoding it. tools: OpenAI's tool list ({"type": "function", "function": {"name",
+    "description", "parameters"}}), given to the template as `tools` (templates without
+    tool support ignore it).
     Raises InvalidRequestError: no template, bad messages, a template that fails on them.
     """
     if tokenizer is None:
@@ -141,6 +188,9 @@ def render_chat(
             f"got {conversation[-1]['role']!r}",
             "continue_final_message",
         )
+    # chat_template_kwargs win over the tools, as in vLLM
+    template_kwargs = {"tools": [dict(t) for t in tools] if tools else None}
+    template_kwargs.update(chat_template_kwargs or {})
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -148,7 +198,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
             tokenize=False,
-            **(chat_template_kwargs or {}),
+            **template_kwargs,
         )
     except Exception as e:  # the template refused these messages
         raise chat_template_error(e) from e

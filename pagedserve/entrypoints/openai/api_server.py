@@ -133,10 +133,17 @@ def build_app(
     on_engine_death: Callable[[], None] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     cors: CorsOptions | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows.
     `cors`: the CORS policy (default: any origin, method and header, no credentials, as
     vLLM's defaults).
+
+    enable_auto_tool_choice, tool_call_parser: the server flags of those names;
+    reasoning_parser: the engine's --reasoning-parser (None: the engine config's, if any).
+    Raises ValueError when the tokenizer lacks the reasoning parser's marker tokens.
 
     `on_engine_death` (None: keep answering 503) is called once, while the app runs, soon
     after the engine core dies; the pending requests have been failed by then."""
@@ -170,7 +177,16 @@ def build_app(
     model_config = getattr(engine, "model_config", None)
     defaults = model_config.get_diff_sampling_param() if model_config is not None else {}
     completions = OpenAIServingCompletion(engine, served_model_names, defaults)
-    chat = OpenAIServingChat(engine, served_model_names, chat_template, defaults)
+    if reasoning_parser is None:  # the engine's own option (AsyncLLMEngine.config)
+        config = getattr(engine, "config", None)
+        reasoning_parser = getattr(
+            getattr(config, "structured_outputs_config", None), "reasoning_parser", None
+        )
+    chat = OpenAIServingChat(
+        engine, served_model_names, chat_template, defaults,
+        enable_auto_tools=enable_auto_tool_choice, tool_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+    )  # fmt: skip
     tokenizer = engine.get_tokenizer()
 
     @app.post(
@@ -273,7 +289,7 @@ def run_server(args: argparse.Namespace) -> None:
     from pagedserve.engine.async_engine import AsyncLLMEngine
     from pagedserve.metrics import EngineMetrics
 
-    from .cli_args import resolve_server_args
+    from .cli_args import check_server_args, resolve_server_args
     from .launch import (
         DrainingServer,
         bind_socket,
@@ -287,6 +303,7 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit("the server needs a tokenizer; drop --skip-tokenizer-init")
     # Bad flags end the command with one line naming them, not a traceback.
     try:
+        check_server_args(args)
         envs.max_n_sequences()  # a bad PAGEDSERVE_MAX_N_SEQUENCES fails now, not per request
         envs.max_stop_strings()
         envs.max_stop_string_chars()
@@ -313,22 +330,28 @@ def run_server(args: argparse.Namespace) -> None:
         server[0].should_exit = True
 
     try:
-        app = build_app(
-            engine,
-            args.served_model_name,
-            api_key=args.api_key,
-            chat_template=chat_template,
-            registry=metrics.registry,
-            model_root=args.model,
-            on_engine_death=None if args.keep_alive_on_engine_death else exit_server,
-            max_request_body_bytes=args.max_request_body_bytes,
-            cors=CorsOptions(
-                args.allowed_origins or ["*"],
-                args.allowed_methods or ["*"],
-                args.allowed_headers or ["*"],
-                args.allow_credentials,
-            ),
-        )
+        try:
+            app = build_app(
+                engine,
+                args.served_model_name,
+                api_key=args.api_key,
+                chat_template=chat_template,
+                registry=metrics.registry,
+                model_root=args.model,
+                on_engine_death=None if args.keep_alive_on_engine_death else exit_server,
+                max_request_body_bytes=args.max_request_body_bytes,
+                cors=CorsOptions(
+                    args.allowed_origins or ["*"],
+                    args.allowed_methods or ["*"],
+                    args.allowed_headers or ["*"],
+                    args.allow_credentials,
+                ),
+                enable_auto_tool_choice=args.enable_auto_tool_choice,
+                tool_call_parser=args.tool_call_parser,
+                reasoning_parser=args.reasoning_parser,
+            )
+        except ValueError as e:  # e.g. a reasoning parser whose markers the tokenizer lacks
+            raise SystemExit(f"pagedserve serve: error: {e}") from None
         config = uvicorn.Config(
             app,
             log_level=args.uvicorn_log_level,

@@ -17,6 +17,8 @@ from pagedserve.config import DEFAULT_MODEL, option
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.entrypoints.options import add_options, markdown_table
 
+from .tool_parsers import TOOL_PARSERS
+
 # Here, not in body_limit (which imports the web stack): `pagedserve serve` parses its flags,
 # and fails on a bad one, before fastapi loads.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20  # a 128k-token prompt as token ids is ~1 MB
@@ -84,6 +86,19 @@ class ServerArgs:
         None,
         help="Jinja chat template: a file, or the template itself",
         default_text="the tokenizer's",
+    )
+    enable_auto_tool_choice: bool = option(
+        False,
+        help='let the model decide when to call tools (tool_choice "auto", the default of a '
+        "request with tools); needs --tool-call-parser",
+        cli={"action": "store_true"},
+    )
+    tool_call_parser: str | None = option(
+        None,
+        help="how the model writes tool calls, to find them in its output (tool_choice "
+        '"auto"); "required" and a named function work without it',
+        default_text="none",
+        cli={"choices": TOOL_PARSERS},
     )
     max_request_body_bytes: int = option(
         DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -198,6 +213,12 @@ def resolve_server_args(args: argparse.Namespace) -> argparse.Namespace:
         # The bundled model by its name, not its path inside site-packages.
         args.served_model_name = ["stories260k" if args.model == DEFAULT_MODEL else args.model]
     return args
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """Raise ValueError for flags that do not go together (vLLM's checks)."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 def main(argv: list[str] | None = None) -> int:

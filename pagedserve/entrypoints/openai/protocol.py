@@ -3,9 +3,11 @@
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from .protocol_tools import ChatCompletionToolsParam, DeltaToolCall, ToolCall, ToolChoice
 
 
 def random_id(prefix: str) -> str:
@@ -67,6 +69,9 @@ class UsageInfo(OpenAIModel):
 
 class SamplingFields(RequestModel):
     """Fields that completions and chat share: OpenAI's, then vLLM's extras."""
+
+    # Fields of UNSUPPORTED_FIELDS that this kind of request implements.
+    implemented_fields: ClassVar[tuple[str, ...]] = ()
 
     model: str | None = None
     n: int = 1
@@ -176,15 +181,28 @@ class CompletionResponse(CompletionStreamResponse):
 
 class ChatMessage(RequestModel):
     """One message. `content` parts are checked by `chat_utils.normalize_messages` (text parts
-    only; another part type is a 400 naming it), which the offline `LLM.chat` shares."""
+    only; another part type is a 400 naming it), which the offline `LLM.chat` shares, as are
+    an assistant's `tool_calls` ({"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}). A "tool" message answers the call `tool_call_id`. `reasoning`
+    (vLLM's name; `reasoning_content` is its older one) is an assistant's earlier thinking."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
+    implemented_fields: ClassVar[tuple[str, ...]] = ("tools", "tool_choice")
     messages: list[ChatMessage] = Field(min_length=1)
+    # Tool calling (chat_output.py): None means "auto" with tools, "none" without (OpenAI).
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True  # vLLM's: False leaves the reasoning out of the answer
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -212,9 +230,22 @@ class ChatCompletionLogProbs(OpenAIModel):
     content: list[ChatCompletionLogProb] | None = None
 
 
+def _drop_empty(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {key: value for key, value in data.items() if key not in keys or value}
+
+
 class ChatResponseMessage(OpenAIModel):
+    """The answer. `reasoning` (vLLM's field; null without --reasoning-parser) is the
+    thinking; `tool_calls` is left out when there are none, as vLLM does."""
+
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> Any:
+        return _drop_empty(handler(self), ("tool_calls",))
 
 
 class ChatCompletionResponseChoice(OpenAIModel):
@@ -236,8 +267,16 @@ class ChatCompletionResponse(OpenAIModel):
 
 
 class DeltaMessage(OpenAIModel):
+    """One chunk's piece of the message; `reasoning` and `tool_calls` only when it has them."""
+
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> Any:
+        return _drop_empty(handler(self), ("reasoning", "tool_calls"))
 
 
 class ChatCompletionStreamChoice(OpenAIModel):
@@ -281,6 +320,7 @@ class TokenizeCompletionRequest(RequestModel):
 class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatCompletionToolsParam] | None = None  # rendered by the template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

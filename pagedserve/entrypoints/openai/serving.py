@@ -127,10 +127,12 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
 
 
 def check_unsupported(request: SamplingFields) -> None:
-    """400 for tool calling and custom logits processors, which pagedserve does not
-    implement yet: serving such a request without them would return
-    output that silently breaks the asked-for format."""
+    """400 for the UNSUPPORTED_FIELDS that this kind of request does not implement (tools in
+    /v1/completions, the deprecated functions, custom logits processors): serving such a
+    request without them would return output that silently breaks the asked-for format."""
     for name in UNSUPPORTED_FIELDS:
+        if name in request.implemented_fields:
+            continue
         value = getattr(request, name)
         if name == "tools" and request.tool_choice == "none":
             continue  # tools the model must not call: a plain answer, as vLLM gives

@@ -15,6 +15,7 @@ from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
+from .chat_output import ChatOutputParser, apply_tool_params, check_tool_request
 from .protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -46,6 +47,9 @@ from .serving_logprobs import chat_logprobs, check_prompt_logprobs, prompt_logpr
 
 logger = logging.getLogger(__name__)
 
+# A request asking for nothing but the text: checks that a reasoning parser can be made.
+_PLAIN_REQUEST = ChatCompletionRequest.model_validate({"messages": [{"role": "user"}]})
+
 
 def chat_prompt(
     tokenizer: Any,
@@ -74,6 +78,7 @@ def chat_prompt(
         request.chat_template_kwargs,
         request.add_special_tokens,
         max_model_len,
+        [tool.model_dump(exclude_none=True) for tool in request.tools or []],
     )
 
 
@@ -84,14 +89,33 @@ class OpenAIServingChat:
         served_model_names: list[str],
         chat_template: str | None,
         default_sampling_params: dict[str, Any] | None = None,
+        *,
+        enable_auto_tools: bool = False,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
+        """enable_auto_tools, tool_parser: the server's --enable-auto-tool-choice and
+        --tool-call-parser; reasoning_parser: --reasoning-parser (None: none). Raises
+        ValueError when the tokenizer lacks the reasoning parser's marker tokens."""
         self.engine = engine
+        self.enable_auto_tools = enable_auto_tools
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         # The model's generation-config defaults (vLLM's default_sampling_params).
         self.default_sampling_params = default_sampling_params or {}
         self.served_model_names = served_model_names
         self.model_name = served_model_names[0]
         self.chat_template = chat_template
         self.tokenizer = engine.get_tokenizer()
+        if reasoning_parser is not None:  # a tokenizer without its markers: fail at start-up
+            ChatOutputParser(self.tokenizer, _PLAIN_REQUEST, reasoning_parser, None, False)
+
+    def _output_parser(self, request: ChatCompletionRequest) -> ChatOutputParser:
+        """A new parser of one choice's output (reasoning, tool calls)."""
+        return ChatOutputParser(
+            self.tokenizer, request, self.reasoning_parser, self.tool_parser,
+            self.enable_auto_tools,
+        )  # fmt: skip
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -100,6 +124,7 @@ class OpenAIServingChat:
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         check_prompt_logprobs(request)
+        check_tool_request(request, self.enable_auto_tools, self.tool_parser)
         text, token_ids = await asyncio.to_thread(  # off the event loop, as for completions
             chat_prompt,
             self.tokenizer,
@@ -118,6 +143,7 @@ class OpenAIServingChat:
             request, max_tokens, logprobs, prompt_logprobs=request.prompt_logprobs,
             defaults=defaults,
         )  # fmt: skip
+        apply_tool_params(request, params, self.enable_auto_tools and bool(self.tool_parser))
         request_id = random_id("chatcmpl")
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         try:
@@ -162,16 +188,25 @@ class OpenAIServingChat:
         created: int,
         output: RequestOutput,
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionResponseChoice(
+        choices = []
+        for completion in output.outputs:
+            message = ChatResponseMessage(role="assistant", content=completion.text)
+            finish_reason = completion.finish_reason
+            parser = self._output_parser(request)
+            if parser.active:
+                reasoning, content, tool_calls = parser.parse(completion.text)
+                message = ChatResponseMessage(
+                    role="assistant", content=content, reasoning=reasoning, tool_calls=tool_calls
+                )
+                finish_reason = parser.finish_reason(finish_reason, bool(tool_calls), True)
+            choice = ChatCompletionResponseChoice(
                 index=completion.index,
-                message=ChatResponseMessage(role="assistant", content=completion.text),
+                message=message,
                 logprobs=self._logprobs(request, completion, {}),
-                finish_reason=completion.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=completion.stop_reason,
             )
-            for completion in output.outputs
-        ]
+            choices.append(choice)
         num_completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         usage = usage_info(len(output.prompt_token_ids), num_completion_tokens)
         return ChatCompletionResponse(
@@ -206,6 +241,7 @@ class OpenAIServingChat:
         num_completion_tokens = 0
         finished: set[int] = set()
         token_bytes: dict[int, LogprobBytes] = {}
+        parsers = [self._output_parser(request) for _ in range(request.n)]
         async for _, output in merge_streams(self.engine, streams):
             num_prompt_tokens = len(output.prompt_token_ids)
             for completion in output.outputs:
@@ -217,11 +253,21 @@ class OpenAIServingChat:
                     finished.add(completion.index)
                 if not (completion.text or completion.token_ids or done):
                     continue
+                delta: DeltaMessage | None = DeltaMessage(content=completion.text)
+                finish_reason = completion.finish_reason
+                logprobs = self._logprobs(request, completion, token_bytes)
+                parser = parsers[completion.index]
+                if parser.active:
+                    delta = parser.delta(completion.text, done)
+                    tools_called = parser.streamer.tools_called
+                    finish_reason = parser.finish_reason(finish_reason, tools_called, False)
+                    if delta is None and not done and logprobs is None:
+                        continue  # nothing to say yet (a marker being written)
                 choice = ChatCompletionStreamChoice(
                     index=completion.index,
-                    delta=DeltaMessage(content=completion.text),
-                    logprobs=self._logprobs(request, completion, token_bytes),
-                    finish_reason=completion.finish_reason,
+                    delta=delta or DeltaMessage(),
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
                     stop_reason=completion.stop_reason,
                 )
                 yield chunk([choice])

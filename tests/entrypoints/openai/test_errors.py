@@ -111,8 +111,6 @@ def test_chat_errors_are_400(fake_app: InProcessApp) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
         ({"chat_template": "{{ messages }}"}, "chat_template"),
     ],
 )
