@@ -43,9 +43,12 @@ class Scheduler:
 
     Structured outputs (`structured_output_manager`): a constrained request waits, skipped,
     until its grammar is compiled; each step carries the bitmask of the constrained requests
-    that sample; their sampled tokens advance their grammars. With async scheduling a
-    constrained request is not scheduled again while its token is in flight (its next mask
-    depends on that token); the others still run ahead.
+    that sample; their sampled tokens advance their grammars. Its next mask depends on the
+    token in flight: with async scheduling and `defer_grammar` (the engine sets it where the
+    executor can split a step) a constrained request is scheduled ahead like any other, and
+    its bitmask is filled after the step before has applied its tokens, while the device
+    runs the forward (`deferred_grammar_output`, as vLLM V1); without it, a constrained
+    request is not scheduled again while its token is in flight.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class Scheduler:
         self._num_needing_tokens = 0
         # Steps scheduled but not yet applied: id(SchedulerOutput) -> (it, its requests).
         self._launched: dict[int, tuple[SchedulerOutput, dict[str, Request]]] = {}
+        self.defer_grammar = False  # see the class docstring
 
     @property
     def num_running(self) -> int:
@@ -147,11 +151,16 @@ class Scheduler:
                 )
             )
         finished_ids, self._finished_ids = self._finished_ids, set()
+        deferred = self.defer_grammar and any(
+            scheduled.sample and request.use_structured_output
+            for (request, _, _), scheduled in zip(plan.scheduled, scheduled_requests, strict=True)
+        )
         output = SchedulerOutput(
             plan.new_requests,
             scheduled_requests,
             finished_ids,
-            self._grammar_output(plan, scheduled_requests),
+            None if deferred else self._grammar_output(plan.scheduled, scheduled_requests),
+            grammar_deferred=deferred,
         )
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         if scheduled_requests:
@@ -163,8 +172,28 @@ class Scheduler:
                 del self._launched[next(iter(self._launched))]
         return output
 
+    def deferred_grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The bitmask of a step scheduled with `grammar_deferred`, filled now that the step
+        before has applied its tokens (call it after that `update_from_output`). A request
+        that finished meanwhile (its grammar completed, a stop token, an abort) gets no row:
+        its token of this step is dropped."""
+        launched = self._launched.get(id(scheduler_output))
+        if launched is None or launched[0] is not scheduler_output:
+            return None
+        step_requests = launched[1]
+        planned: list[tuple[Request, int, list[int]]] = []
+        items: list[ScheduledRequest] = []
+        for item in scheduler_output.scheduled_requests:
+            request = step_requests[item.request_id]
+            if self.requests.get(item.request_id) is request and not request.is_finished:
+                planned.append((request, item.num_new_tokens, item.new_block_ids))
+                items.append(item)
+        return self._grammar_output(planned, items)
+
     def _grammar_output(
-        self, plan: _StepPlan, scheduled_requests: list[ScheduledRequest]
+        self,
+        planned: list[tuple[Request, int, list[int]]],
+        scheduled_requests: list[ScheduledRequest],
     ) -> GrammarOutput | None:
         """The bitmask rows of the constrained requests that sample this step."""
         manager = self.structured_output_manager
@@ -172,7 +201,7 @@ class Scheduler:
             return None
         constrained = [
             request
-            for (request, _, _), scheduled in zip(plan.scheduled, scheduled_requests, strict=True)
+            for (request, _, _), scheduled in zip(planned, scheduled_requests, strict=True)
             if scheduled.sample and manager.should_fill_bitmask(request)
         ]
         if not constrained:
@@ -194,8 +223,12 @@ class Scheduler:
             if (
                 num_new_tokens == 0
                 or self._ends_in_flight(request)
-                # its next mask needs the token in flight (async scheduling)
-                or (request.use_structured_output and request.num_output_placeholders > 0)
+                # its next mask needs the token in flight (async scheduling, no deferral)
+                or (
+                    request.use_structured_output
+                    and request.num_output_placeholders > 0
+                    and not self.defer_grammar
+                )
             ):
                 i += 1
                 continue

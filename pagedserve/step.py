@@ -75,6 +75,9 @@ class SchedulerOutput:
     scheduled_requests: list[ScheduledRequest]
     finished_request_ids: set[str] = field(default_factory=set)  # drop their worker state
     grammar: GrammarOutput | None = None  # None: no constrained request samples this step
+    # The bitmask comes after the forward is launched (`Scheduler.deferred_grammar_output`,
+    # once the step before has applied its tokens): a constrained request samples this step.
+    grammar_deferred: bool = False
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

@@ -73,6 +73,12 @@ class EngineCore:
             self.executor.device_type == "cuda" if async_scheduling is None else async_scheduling
         )
         logger.info("async scheduling: %s", "on" if self.async_scheduling else "off")
+        # Structured outputs under async scheduling: a step's bitmask is filled while the
+        # device runs its forward (after the step before has applied its tokens), where the
+        # executor can split a step so (one rank, in this process).
+        self.scheduler.defer_grammar = self.async_scheduling and getattr(
+            self.executor, "supports_deferred_grammar", False
+        )
         # Async scheduling: the step launched last, whose tokens are not applied yet.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         # Everything start-up made (modules, weights' Python objects, graphs) lives as long as
@@ -123,8 +129,17 @@ class EngineCore:
             if scheduler_output.finished_request_ids:  # let workers drop finished state
                 self.executor.execute_model(scheduler_output)
             return outputs + self._finish_in_flight()
-        launched = self.executor.execute_model_async(scheduler_output)
-        outputs += self._finish_in_flight()
+        if not scheduler_output.grammar_deferred:
+            launched = self.executor.execute_model_async(scheduler_output)
+            outputs += self._finish_in_flight()
+        else:
+            pending = self.executor.launch_forward(scheduler_output)  # type: ignore[attr-defined]
+            outputs += self._finish_in_flight()  # the tokens the bitmask depends on
+            if isinstance(pending, AsyncModelRunnerOutput):  # nothing samples after all
+                launched = pending
+            else:
+                grammar = self.scheduler.deferred_grammar_output(scheduler_output)
+                launched = self.executor.sample_tokens(pending, grammar)  # type: ignore[attr-defined]
         self._in_flight = (scheduler_output, launched)
         return outputs
 

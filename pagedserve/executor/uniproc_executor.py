@@ -1,7 +1,14 @@
 """UniprocExecutor: one rank, a Worker in the engine's own process (tensor_parallel_size 1)."""
 
+from typing import Any
+
 from pagedserve.config import EngineConfig
-from pagedserve.step import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
+from pagedserve.step import (
+    AsyncModelRunnerOutput,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from pagedserve.worker.worker import Worker
 
 
@@ -40,6 +47,20 @@ class UniprocExecutor:
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         """The runner's own handle: in one process, the engine waits on the device directly."""
         return self.worker.execute_model_async(scheduler_output)
+
+    # The engine may launch a step's forward, then fill its grammar bitmask while the device
+    # runs it, then sample (structured outputs under async scheduling). Executors of several
+    # ranks lack this: there a constrained request waits for its token instead.
+    supports_deferred_grammar = True
+
+    def launch_forward(self, scheduler_output: SchedulerOutput) -> Any:
+        """The forward of a step (`ModelRunner.launch_forward`): a handle for
+        `sample_tokens`, or the step's output when nothing samples."""
+        return self.worker.launch_forward(scheduler_output)
+
+    def sample_tokens(self, pending: Any, grammar: GrammarOutput | None) -> AsyncModelRunnerOutput:
+        """Sample the launched forward `pending` with the step's bitmask."""
+        return self.worker.sample_tokens(pending, grammar)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -25,7 +25,7 @@ def apply_grammar_bitmask(
     banned past it. Raises KeyError if a constrained request has no logits row."""
     rows_of = {request_id: row for row, request_id in enumerate(sampled_request_ids)}
     rows = [rows_of[r] for r in grammar.structured_output_request_ids]
-    bitmask = torch.from_numpy(grammar.grammar_bitmask).to(logits.device, non_blocking=True)
+    bitmask = _to_device(torch.from_numpy(grammar.grammar_bitmask), logits.device)
     xgrammar_apply = _xgrammar_apply() if logits.is_cuda else None
     if xgrammar_apply is not None and logits.dtype == torch.float32:
         width = min(logits.shape[1], bitmask.shape[1] * 32)
@@ -37,6 +37,29 @@ def apply_grammar_bitmask(
     allowed = unpack_bitmask(bitmask, logits.shape[1])
     selected = logits.index_select(0, rows_t).masked_fill_(~allowed, _NEG_INF)
     logits.index_copy_(0, rows_t, selected)
+
+
+# Two pinned staging buffers, used in turn: a step's copy may still be queued behind the
+# forward in flight when the next step is launched (at most one step ahead).
+_staging: list[torch.Tensor] = []
+_turn = [0]
+
+
+def _to_device(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The bitmask on `device`. To a GPU through pinned memory, so that the copy is queued
+    behind the forward in flight instead of making the host wait for it (a copy from
+    pageable memory can block until the stream reaches it)."""
+    if device.type != "cuda":
+        return bitmask
+    numel = bitmask.numel()
+    _turn[0] ^= 1
+    if len(_staging) < 2:
+        _staging[:] = [torch.empty(0, dtype=torch.int32).pin_memory() for _ in range(2)]
+    if _staging[_turn[0]].numel() < numel:
+        _staging[_turn[0]] = torch.empty(2 * numel, dtype=torch.int32).pin_memory()
+    host = _staging[_turn[0]][:numel].view(bitmask.shape)
+    host.copy_(bitmask)
+    return host.to(device, non_blocking=True)
 
 
 def unpack_bitmask(

@@ -5,6 +5,7 @@ Start-up (model loading, KV cache sizing and allocation, CUDA graphs, warm-up) i
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +16,7 @@ from pagedserve.layers.attention import Attention
 from pagedserve.messages import PromptLogprobsData, SampleLogprobsData
 from pagedserve.step import (
     AsyncModelRunnerOutput,
+    GrammarOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -24,6 +26,15 @@ from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.worker.input_batch import CachedRequestState, ModelInput, build_model_input
 from pagedserve.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from pagedserve.worker.sampling_metadata import SamplingMetadata, SamplingStateManager
+
+
+@dataclass(frozen=True, slots=True)
+class PendingSample:
+    """A launched forward whose sampling waits for the step's grammar bitmask."""
+
+    model_input: ModelInput
+    logits: torch.Tensor  # [num_sampled_rows, vocab_size] float32, on the device
+    prompt_logprobs: dict[str, PromptLogprobsData]
 
 
 class ModelRunner:
@@ -64,6 +75,20 @@ class ModelRunner:
         pinned host memory, without waiting for the device. The next step may then be launched
         before this one's tokens reach the host: its placeholder tokens
         (`PLACEHOLDER_TOKEN_ID`) are taken from this step's sampled tokens on the device."""
+        forward = self.launch_forward(scheduler_output)
+        if isinstance(forward, AsyncModelRunnerOutput):
+            return forward
+        return self.sample_tokens(forward, scheduler_output.grammar)
+
+    @torch.inference_mode()
+    def launch_forward(
+        self, scheduler_output: SchedulerOutput
+    ) -> "PendingSample | AsyncModelRunnerOutput":
+        """The first half of `execute_model_async`: launch the forward and the logits. Returns
+        what `sample_tokens` finishes, or the step's output when nothing samples. A step with
+        a deferred grammar (`SchedulerOutput.grammar_deferred`) goes this way: its bitmask is
+        filled on the host while the device runs this forward (vLLM's split of execute_model
+        and sample_tokens)."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return AsyncModelRunnerOutput(ModelRunnerOutput([], [], []))
@@ -84,8 +109,17 @@ class ModelRunner:
         if not model_input.sampled_request_ids:
             return AsyncModelRunnerOutput(ModelRunnerOutput([], [], [], prompt_logprobs))
         logits = self._compute_logits(hidden_states[model_input.logits_indices])
-        if scheduler_output.grammar is not None:  # structured outputs: before any sampling
-            apply_grammar_bitmask(logits, scheduler_output.grammar, model_input.sampled_request_ids)
+        return PendingSample(model_input, logits, prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample_tokens(
+        self, pending: "PendingSample", grammar: GrammarOutput | None
+    ) -> AsyncModelRunnerOutput:
+        """The second half of `execute_model_async`: apply the grammar bitmask (structured
+        outputs: before any other logits processing), sample, and start the copy to host."""
+        model_input, logits = pending.model_input, pending.logits
+        if grammar is not None:
+            apply_grammar_bitmask(logits, grammar, model_input.sampled_request_ids)
         metadata = self._sampling_metadata(model_input)
         sampler_output = self.sampler.forward(logits, metadata)
         # Every rank feeds rank 0's tokens at the next step's placeholders (random draws
@@ -94,6 +128,7 @@ class ModelRunner:
         self._prev_sampled = sampler_output.sampled_token_ids
         self._prev_rows = {r: i for i, r in enumerate(model_input.sampled_request_ids)}
         host_output, ready = _copy_to_host(sampler_output)
+        prompt_logprobs = pending.prompt_logprobs
         return AsyncModelRunnerOutput(
             None,
             lambda: _to_runner_output(model_input, host_output, metadata, prompt_logprobs),

@@ -7,12 +7,18 @@ runner.
 """
 
 import os
+from typing import Any
 
 import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import destroy_distributed, init_distributed
-from pagedserve.step import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
+from pagedserve.step import (
+    AsyncModelRunnerOutput,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.runner_setup import (
     determine_num_blocks,
@@ -121,6 +127,15 @@ class Worker:
         """Launch one step without waiting for the device: the handle of its output (the
         executor in this process hands it to the engine)."""
         return self.runner.execute_model_async(scheduler_output)
+
+    def launch_forward(self, scheduler_output: SchedulerOutput) -> Any:
+        """`ModelRunner.launch_forward` (the engine in this process finishes the step with
+        `sample_tokens` once the step's grammar bitmask is filled)."""
+        return self.runner.launch_forward(scheduler_output)
+
+    def sample_tokens(self, pending: Any, grammar: GrammarOutput | None) -> AsyncModelRunnerOutput:
+        """`ModelRunner.sample_tokens`."""
+        return self.runner.sample_tokens(pending, grammar)
 
     def execute_model_pipelined(
         self, scheduler_output: SchedulerOutput

@@ -15,7 +15,10 @@ import transformers
 
 from pagedserve import LLM
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "qwen3"
+_REPO = Path(__file__).resolve().parents[2]
+TOKENIZER_DIR = _REPO.parent / "shared" / "tokenizers" / "qwen3"
+if not TOKENIZER_DIR.is_dir():  # the GPU machine: a copy carried in the tree
+    TOKENIZER_DIR = _REPO / ".gpu_assets" / "tokenizers" / "qwen3"
 QWEN3_VOCAB_SIZE = 151936
 
 

@@ -74,7 +74,7 @@ def _ready(manager: StructuredOutputManager, request: Request) -> None:
 
 
 def test_reasoning_gates_the_mask(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedserve.reasoning as reasoning
+    import pagedserve.reasoning.base as reasoning
 
     monkeypatch.setitem(reasoning._REGISTRY, "qwen3", _EndsAtToken)
     manager = _manager(tokenizer, "qwen3")

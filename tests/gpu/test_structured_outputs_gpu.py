@@ -1,0 +1,56 @@
+"""Structured outputs on the GPU: xgrammar's CUDA kernel applies the bitmask, which is
+filled while the forward runs (async scheduling, CUDA graphs); the outputs equal the CPU
+engine's and obey their constraints."""
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from pagedserve import SamplingParams
+from pagedserve.sampling_params import StructuredOutputsParams
+from tests.structured_output.conftest import build_tiny_qwen3, make_llm
+
+pytestmark = pytest.mark.gpu
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "n"],
+}
+
+
+def test_constrained_outputs_on_cuda_equal_the_cpu_run(tmp_path: Path) -> None:
+    model = build_tiny_qwen3(tmp_path / "model")
+    constraints = [
+        StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+        StructuredOutputsParams(regex=r"(ab|cd){3,6}"),
+        StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+        None,
+    ]
+    params = [
+        SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=c) for c in constraints
+    ] * 8  # 32 requests: several constrained rows per step
+    prompts = [f"prompt {i}" for i in range(len(params))]
+
+    def run(**kwargs: object) -> list[str]:
+        llm = make_llm(model, **kwargs)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        llm.llm_engine.shutdown()
+        return [o.outputs[0].text for o in outputs]
+
+    cpu = run(device="cpu")
+    for text, c in zip(cpu, params, strict=True):
+        if c.structured_outputs is not None and c.structured_outputs.json is not None:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        elif c.structured_outputs is not None and c.structured_outputs.regex is not None:
+            assert re.fullmatch(r"(ab|cd){3,6}", text)
+        elif c.structured_outputs is not None:
+            assert text in ("yes", "no", "maybe")
+    assert run(device="cuda", dtype="float32") == cpu  # async scheduling, CUDA graphs
+    assert run(device="cuda", dtype="float32", async_scheduling=False) == cpu
