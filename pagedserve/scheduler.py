@@ -2,7 +2,6 @@
 
 from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pagedserve.config import SchedulerConfig
@@ -18,7 +17,6 @@ from pagedserve.step import (
     SchedulerOutput,
 )
 from pagedserve.structured_output.manager import StructuredOutputManager
-from pagedserve.structured_output.step_bitmask import grammar_output, start_grammar_output
 
 
 @dataclass(slots=True)
@@ -62,7 +60,8 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.structured_output_manager = structured_output_manager
-        # Outputs made outside a step (a grammar that failed to compile): take_pending_outputs
+        # Outputs made outside a step (a request whose grammar failed to compile), returned
+        # by `take_pending_outputs`.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -160,13 +159,7 @@ class Scheduler:
             plan.new_requests,
             scheduled_requests,
             finished_ids,
-            None
-            if deferred
-            else grammar_output(
-                self.structured_output_manager,
-                [request for request, _, _ in plan.scheduled],
-                scheduled_requests,
-            ),
+            None if deferred else self._grammar_output(plan.scheduled, scheduled_requests),
             grammar_deferred=deferred,
         )
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
@@ -179,23 +172,43 @@ class Scheduler:
                 del self._launched[next(iter(self._launched))]
         return output
 
-    def start_deferred_grammar_output(
-        self, scheduler_output: SchedulerOutput
-    ) -> "Future[GrammarOutput | None]":
-        """The bitmask of a step scheduled with `grammar_deferred`, now that the step before
-        has applied its tokens (call it after that `update_from_output`): its rows are chosen
-        here and filled in the structured-output manager's thread. A request that finished
-        meanwhile (its grammar completed, a stop token, an abort) gets no row: its token of
-        this step is dropped."""
+    def deferred_grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The bitmask of a step scheduled with `grammar_deferred`, filled now that the step
+        before has applied its tokens (call it after that `update_from_output`). A request
+        that finished meanwhile (its grammar completed, a stop token, an abort) gets no row:
+        its token of this step is dropped."""
         launched = self._launched.get(id(scheduler_output))
-        requests, items = [], []
-        if launched is not None and launched[0] is scheduler_output:
-            for item in scheduler_output.scheduled_requests:
-                request = launched[1][item.request_id]
-                if self.requests.get(item.request_id) is request and not request.is_finished:
-                    requests.append(request)
-                    items.append(item)
-        return start_grammar_output(self.structured_output_manager, requests, items)
+        if launched is None or launched[0] is not scheduler_output:
+            return None
+        step_requests = launched[1]
+        planned: list[tuple[Request, int, list[int]]] = []
+        items: list[ScheduledRequest] = []
+        for item in scheduler_output.scheduled_requests:
+            request = step_requests[item.request_id]
+            if self.requests.get(item.request_id) is request and not request.is_finished:
+                planned.append((request, item.num_new_tokens, item.new_block_ids))
+                items.append(item)
+        return self._grammar_output(planned, items)
+
+    def _grammar_output(
+        self,
+        planned: list[tuple[Request, int, list[int]]],
+        scheduled_requests: list[ScheduledRequest],
+    ) -> GrammarOutput | None:
+        """The bitmask rows of the constrained requests that sample this step."""
+        manager = self.structured_output_manager
+        if manager is None:
+            return None
+        constrained = [
+            request
+            for (request, _, _), scheduled in zip(planned, scheduled_requests, strict=True)
+            if scheduled.sample and manager.should_fill_bitmask(request)
+        ]
+        if not constrained:
+            return None
+        return GrammarOutput(
+            [r.request_id for r in constrained], manager.grammar_bitmask(constrained)
+        )
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         """Outputs of requests finished outside a step (their grammar failed to compile)."""

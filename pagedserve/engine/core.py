@@ -6,8 +6,6 @@ It sees only token ids. Tokenizing, detokenizing and stop strings happen in the 
 
 import gc
 import logging
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import EngineConfig
@@ -16,19 +14,10 @@ from pagedserve.kv_cache.manager import KVCacheManager, check_fits_cache, max_bl
 from pagedserve.messages import EngineCoreOutput, SchedulerStats
 from pagedserve.request import Request, RequestStatus
 from pagedserve.scheduler import Scheduler
-from pagedserve.step import AsyncModelRunnerOutput, GrammarOutput, SchedulerOutput
+from pagedserve.step import AsyncModelRunnerOutput, SchedulerOutput
 from pagedserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _DeferredSample:
-    """A launched forward (structured outputs) whose sampling waits for its bitmask, being
-    filled in a thread (`grammar`)."""
-
-    pending: Any
-    grammar: "Future[GrammarOutput | None]"
 
 
 class EngineCore:
@@ -91,9 +80,7 @@ class EngineCore:
             self.executor, "supports_deferred_grammar", False
         )
         # Async scheduling: the step launched last, whose tokens are not applied yet.
-        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput | _DeferredSample] | None = (
-            None
-        )
+        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         # Everything start-up made (modules, weights' Python objects, graphs) lives as long as
         # the engine: keep it out of the garbage collector's scans, which otherwise pause
         # the step loop (vLLM does the same).
@@ -138,14 +125,10 @@ class EngineCore:
         if self._in_flight is not None and not self.scheduler.can_schedule_ahead:
             outputs = self._finish_in_flight()
         scheduler_output = self.scheduler.schedule()
-        # The step in flight samples now, its bitmask filled (in a thread) meanwhile: before
-        # this step's forward, whose placeholder tokens are its samples.
-        self._sample_in_flight()
         if scheduler_output.is_empty:
             if scheduler_output.finished_request_ids:  # let workers drop finished state
                 self.executor.execute_model(scheduler_output)
             return outputs + self._finish_in_flight()
-        launched: AsyncModelRunnerOutput | _DeferredSample
         if not scheduler_output.grammar_deferred:
             launched = self.executor.execute_model_async(scheduler_output)
             outputs += self._finish_in_flight()
@@ -155,29 +138,17 @@ class EngineCore:
             if isinstance(pending, AsyncModelRunnerOutput):  # nothing samples after all
                 launched = pending
             else:
-                fill = self.scheduler.start_deferred_grammar_output(scheduler_output)
-                launched = _DeferredSample(pending, fill)
+                grammar = self.scheduler.deferred_grammar_output(scheduler_output)
+                launched = self.executor.sample_tokens(pending, grammar)  # type: ignore[attr-defined]
         self._in_flight = (scheduler_output, launched)
         return outputs
 
-    def _sample_in_flight(self) -> None:
-        """Launch the sampling of the step in flight if it waits for its bitmask."""
-        if self._in_flight is None:
-            return
-        scheduler_output, deferred = self._in_flight
-        if isinstance(deferred, _DeferredSample):
-            grammar = deferred.grammar.result()
-            sample = self.executor.sample_tokens(deferred.pending, grammar)  # type: ignore[attr-defined]
-            self._in_flight = (scheduler_output, sample)
-
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight and apply its tokens."""
-        self._sample_in_flight()
         if self._in_flight is None:
             return []
         scheduler_output, launched = self._in_flight
         self._in_flight = None
-        assert isinstance(launched, AsyncModelRunnerOutput)
         return self.scheduler.update_from_output(scheduler_output, launched.result())
 
     def _step_sync(self) -> list[EngineCoreOutput]:

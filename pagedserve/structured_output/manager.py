@@ -18,7 +18,6 @@ once `is_reasoning_end` holds: the thinking is free text, the answer is constrai
 here: the bitmask is a numpy array, which xgrammar fills directly.
 """
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -108,10 +107,6 @@ class StructuredOutputManager:
         self._num_misses = 0
         self._compile_seconds = 0.0
         self._batch_matcher: Any = None
-        # One thread fills a step's bitmask while the engine's host work goes on; `_fill` is
-        # its fill in progress.
-        self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
-        self._fill: Future[np.ndarray] | None = None
         self._bitmask = np.zeros((0, (vocab_size + 31) // 32), np.int32)
 
     # -- compiling ------------------------------------------------------------------------
@@ -193,48 +188,24 @@ class StructuredOutputManager:
         state = request.structured_output
         return state is not None and state.grammar is not None and state.reasoning_ended
 
-    def start_grammar_bitmask(self, requests: list[Request]) -> "Future[np.ndarray]":
-        """`grammar_bitmask` filled in this manager's fill thread (xgrammar releases the GIL),
-        so that the engine's host work goes on meanwhile. Until the future is done, the
-        matchers must not change: `accept_token` and `sync_after_preemption` wait for it."""
-        self._join_fill()
-        matchers = self._matchers(requests)
-        self._fill = self._fill_thread.submit(self._fill_rows, matchers)
-        return self._fill
-
-    def _join_fill(self) -> None:
-        """Wait for a fill started by `start_grammar_bitmask` (its matchers may then change)."""
-        if self._fill is not None:
-            with contextlib.suppress(Exception):  # its waiter gets the error
-                self._fill.result()
-            self._fill = None
-
     def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
         """The step's bitmask: row i (int32 words, bit t of word t // 32 = token t allowed)
         for requests[i], each of which `should_fill_bitmask`. [len(requests), ceil(V / 32)]."""
-        self._join_fill()
-        return self._fill_rows(self._matchers(requests))
-
-    @staticmethod
-    def _matchers(requests: list[Request]) -> list[Any]:
-        matchers = []
-        for request in requests:
-            state = request.structured_output
-            assert state is not None and state.grammar is not None
-            matchers.append(state.grammar.matcher)
-        return matchers
-
-    def _fill_rows(self, matchers: list[Any]) -> np.ndarray:
         if self._batch_matcher is None:
             import xgrammar as xgr
 
             self._batch_matcher = xgr.BatchGrammarMatcher()
-        num_rows = len(matchers)
+        num_rows = len(requests)
         if len(self._bitmask) < num_rows:
             self._bitmask = np.zeros(
                 (max(num_rows, 2 * len(self._bitmask)), _width(self)), np.int32
             )
         bitmask = self._bitmask[:num_rows]
+        matchers = []
+        for request in requests:
+            state = request.structured_output
+            assert state is not None and state.grammar is not None
+            matchers.append(state.grammar.matcher)
         self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
         return bitmask.copy()  # the buffer is reused next step; the step keeps its own
 
@@ -245,7 +216,6 @@ class StructuredOutputManager:
         state = request.structured_output
         if state is None or state.grammar is None:
             return False
-        self._join_fill()
         if not state.reasoning_ended:
             assert self._reasoner is not None
             state.reasoning_ended = self._reasoner.is_reasoning_end(request.output_token_ids)
@@ -269,7 +239,6 @@ class StructuredOutputManager:
         state = request.structured_output
         if state is None or state.grammar is None or not state.reasoning_ended:
             return
-        self._join_fill()
         kept = request.num_output_tokens - state.num_output_tokens_before
         excess = state.grammar.num_processed_tokens - kept
         if excess > 0:
@@ -280,7 +249,6 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._fill_thread.shutdown(wait=False, cancel_futures=True)
 
 
 def _width(manager: StructuredOutputManager) -> int:
