@@ -17,6 +17,7 @@ from pagedserve.step import (
     SchedulerOutput,
 )
 from pagedserve.structured_output.manager import StructuredOutputManager
+from pagedserve.structured_output.step_bitmask import grammar_output
 
 
 @dataclass(slots=True)
@@ -159,7 +160,13 @@ class Scheduler:
             plan.new_requests,
             scheduled_requests,
             finished_ids,
-            None if deferred else self._grammar_output(plan.scheduled, scheduled_requests),
+            None
+            if deferred
+            else grammar_output(
+                self.structured_output_manager,
+                [request for request, _, _ in plan.scheduled],
+                scheduled_requests,
+            ),
             grammar_deferred=deferred,
         )
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
@@ -178,37 +185,14 @@ class Scheduler:
         that finished meanwhile (its grammar completed, a stop token, an abort) gets no row:
         its token of this step is dropped."""
         launched = self._launched.get(id(scheduler_output))
-        if launched is None or launched[0] is not scheduler_output:
-            return None
-        step_requests = launched[1]
-        planned: list[tuple[Request, int, list[int]]] = []
-        items: list[ScheduledRequest] = []
-        for item in scheduler_output.scheduled_requests:
-            request = step_requests[item.request_id]
-            if self.requests.get(item.request_id) is request and not request.is_finished:
-                planned.append((request, item.num_new_tokens, item.new_block_ids))
-                items.append(item)
-        return self._grammar_output(planned, items)
-
-    def _grammar_output(
-        self,
-        planned: list[tuple[Request, int, list[int]]],
-        scheduled_requests: list[ScheduledRequest],
-    ) -> GrammarOutput | None:
-        """The bitmask rows of the constrained requests that sample this step."""
-        manager = self.structured_output_manager
-        if manager is None:
-            return None
-        constrained = [
-            request
-            for (request, _, _), scheduled in zip(planned, scheduled_requests, strict=True)
-            if scheduled.sample and manager.should_fill_bitmask(request)
-        ]
-        if not constrained:
-            return None
-        return GrammarOutput(
-            [r.request_id for r in constrained], manager.grammar_bitmask(constrained)
-        )
+        requests, items = [], []
+        if launched is not None and launched[0] is scheduler_output:
+            for item in scheduler_output.scheduled_requests:
+                request = launched[1][item.request_id]
+                if self.requests.get(item.request_id) is request and not request.is_finished:
+                    requests.append(request)
+                    items.append(item)
+        return grammar_output(self.structured_output_manager, requests, items)
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         """Outputs of requests finished outside a step (their grammar failed to compile)."""
@@ -338,24 +322,25 @@ class Scheduler:
                 return None
             return request
 
+        applied = []  # (request, token, logprobs) of the live requests, in batch order
         for request_id, token_id, logprobs in zip(
             runner_output.request_ids,
             runner_output.sampled_token_ids,
             runner_output.logprobs,
             strict=True,
         ):
-            request = live(request_id)
-            if request is None:
-                continue
-            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
-            # A request preempted after this step was launched (async scheduling) still
-            # keeps the token: its recomputation starts from all its tokens.
-            request.append_output_token_ids([token_id])
-            terminated = self.structured_output_manager is not None and (
-                self.structured_output_manager.accept_token(request, token_id)
-            )
+            if (request := live(request_id)) is not None:
+                request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
+                # A request preempted after this step was launched (async scheduling) still
+                # keeps the token: its recomputation starts from all its tokens.
+                request.append_output_token_ids([token_id])
+                applied.append((request, token_id, logprobs))
+        manager = self.structured_output_manager
+        terminated = set() if manager is None else manager.accept_tokens(applied)
+        for request, token_id, logprobs in applied:
+            request_id = request.request_id
             status = self._check_stop(request, token_id)
-            if status is None and terminated:  # the grammar is complete (as vLLM: "stop")
+            if status is None and request_id in terminated:  # grammar complete: "stop"
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 if request.status == RequestStatus.RUNNING:

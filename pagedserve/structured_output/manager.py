@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -191,10 +191,6 @@ class StructuredOutputManager:
     def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
         """The step's bitmask: row i (int32 words, bit t of word t // 32 = token t allowed)
         for requests[i], each of which `should_fill_bitmask`. [len(requests), ceil(V / 32)]."""
-        if self._batch_matcher is None:
-            import xgrammar as xgr
-
-            self._batch_matcher = xgr.BatchGrammarMatcher()
         num_rows = len(requests)
         if len(self._bitmask) < num_rows:
             self._bitmask = np.zeros(
@@ -206,8 +202,38 @@ class StructuredOutputManager:
             state = request.structured_output
             assert state is not None and state.grammar is not None
             matchers.append(state.grammar.matcher)
-        self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+        self._batch().batch_fill_next_token_bitmask(matchers, bitmask)
         return bitmask.copy()  # the buffer is reused next step; the step keeps its own
+
+    def accept_tokens(self, sampled: Sequence[tuple[Request, int, Any]]) -> set[str]:
+        """`accept_token` for a step's sampled tokens (request, token id, anything), each
+        already appended to its request; the ids of the requests whose grammars terminated.
+        The grammars past their reasoning advance in one xgrammar batch call (C++, threads),
+        not one Python call per request: this runs between a step's result and the next
+        step's bitmask, on the critical path of every constrained step."""
+        batch: list[Request] = []
+        terminated: set[str] = set()
+        for request, token_id, _ in sampled:
+            state = request.structured_output
+            if state is None or state.grammar is None:
+                continue
+            if state.reasoning_ended:
+                batch.append(request)
+            elif self.accept_token(request, token_id):
+                terminated.add(request.request_id)
+        if not batch:
+            return terminated
+        grammars = [r.structured_output.grammar for r in batch]
+        tokens = [r.output_token_ids[-1] for r in batch]
+        accepted = self._batch().batch_accept_token([g.matcher for g in grammars], tokens)
+        for request, grammar, token_id, ok in zip(batch, grammars, tokens, accepted, strict=True):
+            if ok:
+                grammar.num_processed_tokens += 1
+                if grammar.is_terminated():
+                    terminated.add(request.request_id)
+            else:
+                self._escaped(request, token_id)
+        return terminated
 
     def accept_token(self, request: Request, token_id: int) -> bool:
         """Advance the request's grammar by its newly appended output token; whether the
@@ -222,14 +248,27 @@ class StructuredOutputManager:
             state.num_output_tokens_before = request.num_output_tokens
             return False
         if not state.grammar.accept_tokens([token_id]):
-            # Only if the sampled token escaped the mask (it should not): the grammar stays
-            # where it was, and the request goes on unconstrained by this token.
-            logger.warning(
-                "request %s: token %d is not allowed by its grammar", request.request_id, token_id
-            )
-            state.num_output_tokens_before += 1
+            self._escaped(request, token_id)
             return False
         return bool(state.grammar.is_terminated())
+
+    @staticmethod
+    def _escaped(request: Request, token_id: int) -> None:
+        """A sampled token escaped the mask (it should not): the grammar stays where it was,
+        and the request goes on unconstrained by this token."""
+        logger.warning(
+            "request %s: token %d is not allowed by its grammar", request.request_id, token_id
+        )
+        assert request.structured_output is not None
+        request.structured_output.num_output_tokens_before += 1
+
+    def _batch(self) -> Any:
+        """xgrammar's BatchGrammarMatcher (its own threads; made on first use)."""
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+
+            self._batch_matcher = xgr.BatchGrammarMatcher()
+        return self._batch_matcher
 
     def sync_after_preemption(self, request: Request) -> None:
         """Make the grammar's state match the tokens the request keeps: roll back the tokens

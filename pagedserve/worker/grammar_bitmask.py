@@ -22,44 +22,65 @@ def apply_grammar_bitmask(
 ) -> None:
     """Set to -inf every logit that the row's grammar forbids. Rows of requests without a
     constraint are left as they are. Logits wider than the bitmask (a padded vocabulary) are
-    banned past it. Raises KeyError if a constrained request has no logits row."""
+    banned past it. Raises KeyError if a constrained request has no logits row.
+
+    On a GPU nothing here waits for the device: the bitmask and its row indices travel through
+    pinned memory (a copy from pageable memory would first wait for the forward in flight),
+    and the rows are placed into a full-batch bitmask on the device, as xgrammar's kernel
+    reads bitmask row `i` for logits row `i`."""
     rows_of = {request_id: row for row, request_id in enumerate(sampled_request_ids)}
     rows = [rows_of[r] for r in grammar.structured_output_request_ids]
-    bitmask = _to_device(torch.from_numpy(grammar.grammar_bitmask), logits.device)
-    xgrammar_apply = _xgrammar_apply() if logits.is_cuda else None
-    if xgrammar_apply is not None and logits.dtype == torch.float32:
-        width = min(logits.shape[1], bitmask.shape[1] * 32)
-        xgrammar_apply(logits, bitmask, vocab_size=width, indices=rows)
-        if width < logits.shape[1]:
-            logits[rows, width:] = _NEG_INF
+    compact = torch.from_numpy(grammar.grammar_bitmask)  # [len(rows), num_words] int32
+    if not logits.is_cuda:
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        allowed = unpack_bitmask(compact, logits.shape[1])
+        selected = logits.index_select(0, rows_t).masked_fill_(~allowed, _NEG_INF)
+        logits.index_copy_(0, rows_t, selected)
         return
-    rows_t = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
-    selected = logits.index_select(0, rows_t).masked_fill_(~allowed, _NEG_INF)
-    logits.index_copy_(0, rows_t, selected)
+    bitmask, rows_t = _to_device(compact, rows, logits.device)
+    width = min(logits.shape[1], compact.shape[1] * 32)
+    xgrammar_apply = _xgrammar_apply()
+    if xgrammar_apply is not None and logits.dtype == torch.float32:
+        # All ones (every token allowed) but the constrained rows, which the kernel visits.
+        full = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=torch.int32,
+                          device=logits.device)  # fmt: skip
+        full.index_copy_(0, rows_t.long(), bitmask)
+        xgrammar_apply(logits, full, vocab_size=width, indices=rows_t)
+    else:
+        rows_l = rows_t.long()
+        allowed = unpack_bitmask(bitmask, width)
+        selected = logits[:, :width].index_select(0, rows_l).masked_fill_(~allowed, _NEG_INF)
+        logits[:, :width].index_copy_(0, rows_l, selected)
+    if width < logits.shape[1]:
+        logits[:, width:].index_fill_(0, rows_t.long(), _NEG_INF)
 
 
 # Two pinned staging buffers, used in turn: a step's copy may still be queued behind the
-# forward in flight when the next step is launched (at most one step ahead).
+# forward in flight when the next step is launched (at most one step ahead). Each holds a
+# step's row indices followed by its bitmask, as int32.
 _staging: list[torch.Tensor] = []
 _turn = [0]
 
 
-def _to_device(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The bitmask on `device`. To a GPU through pinned memory, so that the copy is queued
-    behind the forward in flight instead of making the host wait for it (a copy from
-    pageable memory can block until the stream reaches it)."""
-    if device.type != "cuda":
-        return bitmask
-    numel = bitmask.numel()
+def _to_device(
+    bitmask: torch.Tensor,  # [num_rows, num_words] int32, host
+    rows: list[int],  # [num_rows]
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_rows, num_words], [num_rows]) int32 on device
+    """The bitmask and its row indices on the GPU `device`, through one pinned buffer, so that
+    the copy is queued behind the forward in flight instead of making the host wait for it."""
+    num_rows, num_words = bitmask.shape
+    numel = num_rows * (num_words + 1)
     _turn[0] ^= 1
     if len(_staging) < 2:
         _staging[:] = [torch.empty(0, dtype=torch.int32).pin_memory() for _ in range(2)]
     if _staging[_turn[0]].numel() < numel:
         _staging[_turn[0]] = torch.empty(2 * numel, dtype=torch.int32).pin_memory()
-    host = _staging[_turn[0]][:numel].view(bitmask.shape)
-    host.copy_(bitmask)
-    return host.to(device, non_blocking=True)
+    host = _staging[_turn[0]][:numel]
+    host[:num_rows] = torch.tensor(rows, dtype=torch.int32)
+    host[num_rows:].view(num_rows, num_words).copy_(bitmask)
+    on_device = host.to(device, non_blocking=True)
+    return on_device[num_rows:].view(num_rows, num_words), on_device[:num_rows]
 
 
 def unpack_bitmask(

@@ -54,3 +54,23 @@ def test_constrained_outputs_on_cuda_equal_the_cpu_run(tmp_path: Path) -> None:
             assert text in ("yes", "no", "maybe")
     assert run(device="cuda", dtype="float32") == cpu  # async scheduling, CUDA graphs
     assert run(device="cuda", dtype="float32", async_scheduling=False) == cpu
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # xgrammar's kernel; the torch path
+def test_bitmask_on_cuda_equals_the_cpu_path(dtype: str) -> None:
+    """Constrained rows out of batch order (xgrammar's kernel reads bitmask row i for logits
+    row i: the compact rows must land in a full-batch mask) and a padded vocabulary."""
+    import torch
+
+    from pagedserve.step import GrammarOutput
+    from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask
+
+    torch.manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 10), dtype=torch.int32)
+    grammar = GrammarOutput(["e", "a", "c"], bitmask.numpy())
+    logits = torch.randn(5, 330, dtype=getattr(torch, dtype))  # wider than the mask's 320 bits
+    expected = logits.clone()
+    apply_grammar_bitmask(expected, grammar, ["a", "b", "c", "d", "e"])
+    on_cuda = logits.cuda()
+    apply_grammar_bitmask(on_cuda, grammar, ["a", "b", "c", "d", "e"])
+    assert torch.equal(on_cuda.cpu(), expected)
