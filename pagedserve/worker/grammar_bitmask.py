@@ -76,10 +76,11 @@ def _to_device(
         _staging[:] = [torch.empty(0, dtype=torch.int32).pin_memory() for _ in range(2)]
     if _staging[_turn[0]].numel() < numel:
         _staging[_turn[0]] = torch.empty(2 * numel, dtype=torch.int32).pin_memory()
-    host = _staging[_turn[0]][:numel]
-    host[:num_rows] = torch.tensor(rows, dtype=torch.int32)
-    host[num_rows:].view(num_rows, num_words).copy_(bitmask)
-    on_device = host.to(device, non_blocking=True)
+    with torch.inference_mode():  # the buffers may have been made under it (inference tensors)
+        host = _staging[_turn[0]][:numel]
+        host[:num_rows] = torch.tensor(rows, dtype=torch.int32)
+        host[num_rows:].view(num_rows, num_words).copy_(bitmask)
+        on_device = host.to(device, non_blocking=True)
     return on_device[num_rows:].view(num_rows, num_words), on_device[:num_rows]
 
 
