@@ -133,7 +133,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.act_fn = get_gated_act_fn(hidden_act or str(getattr(hf_config, "hidden_act", "silu")))
         bias = bool(getattr(hf_config, "mlp_bias", False))
-        intermediate_size = intermediate_size or hf_config.intermediate_size
+        if intermediate_size is None:
+            intermediate_size = hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             hf_config.hidden_size, [intermediate_size, intermediate_size], bias, quant_config
         )

@@ -166,6 +166,54 @@ def test_layer_patterns_follow_the_config(saved: dict[str, tuple[nn.Module, Path
     assert qwen2.model.layers[0].self_attn.qkv_proj.bias is not None
 
 
+def test_qwen2_moe_without_shared_expert(tmp_path: Path) -> None:
+    """shared_expert_intermediate_size 0 means no shared expert: transformers builds a
+    zero-width one (output 0) and save_pretrained writes its empty projections and its gate;
+    ours has none, loads that checkpoint, and gives transformers' greedy tokens and logits."""
+    from safetensors import safe_open
+
+    config = transformers.Qwen2MoeConfig(
+        **{**CONFIGS["qwen2_moe"].to_dict(), "shared_expert_intermediate_size": 0}
+    )
+    hf_model = _make_moe_hf_model(config)
+    hf_model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.shared_expert.gate_proj.weight").numel() == 0
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in set(f.keys())
+
+    llm = LLM(str(tmp_path), **LLM_OPTIONS)
+    model = llm.llm_engine.engine_core.executor.worker.runner.model
+    sparse = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert len(sparse) == 2
+    assert all(b.shared_expert is None and b.shared_expert_gate is None for b in sparse)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [
+        _hf_greedy(hf_model, p) for p in PROMPTS
+    ]
+    llm.llm_engine.shutdown()
+    model = load_model(str(tmp_path), AutoConfig.from_pretrained(tmp_path), torch.float32, CPU)
+    _check_prefill_and_decode(hf_model, model, config.vocab_size)
+
+
+def test_qwen2_moe_shared_expert_weights_without_one_are_refused(
+    saved: dict[str, tuple[nn.Module, Path]], tmp_path: Path
+) -> None:
+    """Only the empty projections (and gate) of an absent shared expert are skipped: a real
+    shared expert's weights under a config of size 0 are a mismatch, named; a negative size
+    is refused."""
+    path = saved["qwen2_moe"][1]
+    (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    config = {**CONFIGS["qwen2_moe"].to_dict(), "shared_expert_intermediate_size": 0}
+    with pytest.raises(UnsupportedModelError, match=r"mlp\.shared_expert\..*matches no model"):
+        load_model(str(tmp_path), transformers.Qwen2MoeConfig(**config), torch.float32, CPU)
+    config["shared_expert_intermediate_size"] = -1
+    with pytest.raises(UnsupportedModelError, match="shared_expert_intermediate_size must be"):
+        load_model(
+            "unused", transformers.Qwen2MoeConfig(**config), torch.float32, CPU, load_format="dummy"
+        )
+
+
 @pytest.mark.parametrize("case", list(CONFIGS))
 def test_renormalisation_matters(case: str, saved: dict[str, tuple[nn.Module, Path]]) -> None:
     """Negative control: the logits comparison sees the routing rule (the opposite
