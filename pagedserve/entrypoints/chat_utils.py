@@ -9,7 +9,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from pagedserve.engine.prompt_bound import check_prompt_chars
+from pagedserve.entrypoints.openai.protocol_tools import ChatCompletionToolsParam
 from pagedserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -128,6 +131,29 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return normalized
 
 
+def normalize_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's tool list checked as the server's request model checks it
+    (`ChatCompletionToolsParam`: {"type": "function", "function": {"name": non-empty str,
+    "description"?, "parameters"?: dict, "strict"?}}) and dumped as the server passes it to
+    the template (None fields left out, unknown keys dropped). Raises InvalidRequestError
+    (param "tools") for a non-list and for the first malformed tool, naming where, e.g.
+    "tools[0].function.name: Field required"."""
+    if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence):
+        raise InvalidRequestError(
+            f"tools must be a list of tools, got {type(tools).__name__}", "tools"
+        )
+    normalized = []
+    for i, tool in enumerate(tools):
+        try:
+            param = ChatCompletionToolsParam.model_validate(tool)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])
+            raise InvalidRequestError(f"tools[{i}]{loc}: {first['msg']}", "tools") from None
+        normalized.append(param.model_dump(exclude_none=True))
+    return normalized
+
+
 def chat_template_error(exc: Exception) -> InvalidRequestError:
     """The error of a chat template that failed on a conversation. Only a template's own
     `raise_exception("...")` (a plain jinja2 TemplateError) is worded for users, so only its
@@ -167,9 +193,10 @@ def render_chat(
     False: templates hold their BOS, so the ids equal `apply_chat_template(...,
     tokenize=True)`. max_model_len (None: no check) refuses a text too long to fit before
     encoding it. tools: OpenAI's tool list ({"type": "function", "function": {"name",
-    "description", "parameters"}}), given to the template as `tools` (templates without
-    tool support ignore it).
-    Raises InvalidRequestError: no template, bad messages, a template that fails on them.
+    "description", "parameters"}}), checked by `normalize_tools` and given to the template
+    as `tools` (templates without tool support ignore it).
+    Raises InvalidRequestError: no template, bad messages or tools, a template that fails
+    on them.
     """
     if tokenizer is None:
         raise InvalidRequestError(
@@ -189,7 +216,8 @@ def render_chat(
             "continue_final_message",
         )
     # chat_template_kwargs win over the tools, as in vLLM
-    template_kwargs = {"tools": [dict(t) for t in tools] if tools else None}
+    checked = normalize_tools(tools) if tools is not None else []
+    template_kwargs = {"tools": checked or None}
     template_kwargs.update(chat_template_kwargs or {})
     try:
         text = tokenizer.apply_chat_template(

@@ -174,6 +174,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or `chat_template`) and generate (vLLM's
         `LLM.chat`); the messages are rendered as the server renders them
@@ -181,9 +182,14 @@ class LLM:
 
         messages: one conversation (a list of {"role", "content"} dicts; content a string,
         None, or a list of {"type": "text", "text": ...} parts) or a list of them.
-        chat_template_kwargs: extra variables for the template (e.g. enable_thinking).
+        chat_template_kwargs: extra variables for the template (e.g. enable_thinking); a
+        "tools" key there wins over `tools`, as in vLLM.
+        tools: OpenAI's tool list ([{"type": "function", "function": {"name", "description",
+        "parameters"}}]), checked as the server checks a request's and rendered by the
+        template (vLLM's `tools`); the output is plain text (no tool-call parsing offline).
         Raises ValueError when the tokenizer has no chat template and none is given, for a
-        content part other than text, and when the template fails on the messages.
+        content part other than text, for a malformed tool (naming `tools[i]`), and when the
+        template fails on the messages.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
@@ -198,6 +204,7 @@ class LLM:
                 chat_template_kwargs,
                 # Refuse megabytes before tokenizing them, as generate() and the server do.
                 max_model_len=self.llm_engine.config.model_config.max_model_len,
+                tools=tools,
             )
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         params_list = self._params_per_prompt(sampling_params, len(prompts))
