@@ -6,6 +6,7 @@ schema fuzzing runs on the real engine (`real_engine`)."""
 import asyncio
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.entrypoints.openai.api_server import build_app
+from pagedserve.entrypoints.openai.openapi import unique_operation_ids
 
 from .in_process import AppLoop, InProcessApp
 
@@ -178,6 +180,38 @@ def test_openapi_documents_what_the_server_answers(server: InProcessApp) -> None
 
     response = server.run(get_health())
     assert response.status_code == 200 and response.content == b""
+
+
+def test_openapi_operation_ids_are_unique(server: InProcessApp) -> None:
+    """Every operation has its own operationId (client generators key on them): GET|POST /ping,
+    one route, gets one per method, without FastAPI's duplicate warning; PUT /ping's 405 still
+    allows both methods. A document with ids that still repeat is refused."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Duplicate Operation ID")
+        schema = server.app.openapi()
+    ids = [
+        operation["operationId"]
+        for operations in schema["paths"].values()
+        for operation in operations.values()
+    ]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+    ping = schema["paths"]["/ping"]
+    assert (ping["get"]["operationId"], ping["post"]["operationId"]) == (
+        "ping_ping_get",
+        "ping_ping_post",
+    )
+
+    async def put_ping() -> httpx.Response:
+        async with server.async_http() as client:
+            return await client.put("/ping")
+
+    response = server.run(put_ping())
+    assert response.status_code == 405
+    assert sorted(response.headers["allow"].split(", ")) == ["GET", "POST"]
+
+    clash = {"paths": {"/a": {"get": {"operationId": "f"}}, "/b": {"get": {"operationId": "f"}}}}
+    with pytest.raises(AssertionError, match=r"duplicate operationIds: \['f_get'\]"):
+        unique_operation_ids(clash)
 
 
 def test_schema_fuzzing_finds_no_5xx_and_no_undocumented_answer(
