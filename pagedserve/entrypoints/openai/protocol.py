@@ -267,7 +267,10 @@ class ChatCompletionResponse(OpenAIModel):
 
 
 class DeltaMessage(OpenAIModel):
-    """One chunk's piece of the message; `reasoning` and `tool_calls` only when it has them."""
+    """One chunk's piece of the message, with only the fields it has (as OpenAI and vLLM,
+    whose chunks exclude unset fields): `role` in a choice's first chunk only, no null
+    `content`, `reasoning` and `tool_calls` only when non-empty; a chunk with nothing new
+    (e.g. the finish) has `"delta": {}`."""
 
     role: str | None = None
     content: str | None = None
@@ -276,7 +279,8 @@ class DeltaMessage(OpenAIModel):
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any) -> Any:
-        return _drop_empty(handler(self), ("reasoning", "tool_calls"))
+        data = _drop_empty(handler(self), ("reasoning", "tool_calls"))
+        return {key: value for key, value in data.items() if value is not None}
 
 
 class ChatCompletionStreamChoice(OpenAIModel):

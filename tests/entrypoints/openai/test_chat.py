@@ -51,13 +51,19 @@ def test_streamed_chat_equals_non_streamed(server: Any, sse: Any) -> None:
     assert full["object"] == "chat.completion"
     message = full["choices"][0]["message"]
     assert message["role"] == "assistant" and message["content"]
-    events = sse(server.post("/v1/chat/completions", {**body, **GREEDY, "stream": True}).text)
+    raw = server.post("/v1/chat/completions", {**body, **GREEDY, "stream": True}).text
+    events = sse(raw)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
     deltas = [chunk["choices"][0] for chunk in chunks]
-    assert deltas[0]["delta"]["role"] == "assistant"  # role first
-    assert all("role" not in d["delta"] or d["delta"]["role"] is None for d in deltas[1:])
+    assert deltas[0]["delta"] == {"role": "assistant", "content": ""}  # role first, only there
+    assert all("role" not in d["delta"] for d in deltas[1:])
+    # A delta has only the fields it sets (OpenAI, vLLM): no null role, content, reasoning.
+    assert all(None not in d["delta"].values() for d in deltas)
+    lines = [line for line in raw.splitlines() if line.startswith("data: {")]
+    assert len(lines) == len(chunks) and '"role":"assistant"' in lines[0]
+    assert all('"role"' not in line for line in lines[1:])
     assert deltas[-1]["finish_reason"] == "length"  # finish reason last
     assert all(d["finish_reason"] is None for d in deltas[:-1])
     assert "".join(d["delta"].get("content") or "" for d in deltas) == message["content"]

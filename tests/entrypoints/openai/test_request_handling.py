@@ -185,6 +185,8 @@ def test_chat_stream_with_n_sends_roles_first_and_one_finish_per_choice(
     assert events[-1] == "[DONE]"
     chunks, usage = events[:-2], events[-2]
     assert [c["choices"][0]["delta"].get("role") for c in chunks[:2]] == ["assistant"] * 2
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[2:])  # first chunk only
+    assert all(None not in c["choices"][0]["delta"].values() for c in chunks)
     assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]
     assert all(len(c["choices"]) == 1 and c["usage"] is None for c in chunks)
     finishes = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
