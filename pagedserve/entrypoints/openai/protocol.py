@@ -108,8 +108,9 @@ class SamplingFields(RequestModel):
     guided_grammar: Any = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: Any = None  # removed by vLLM: a 400 naming it
-    # Not implemented (tool calling): parsed so that a request that sets them gets a 400
-    # saying so, instead of an answer made without them.
+    # Parsed in every request; a request kind that does not implement one (tools in
+    # /v1/completions, the deprecated functions, logits processors) answers a 400 naming it
+    # instead of an answer made without it (check_unsupported).
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None

@@ -126,6 +126,16 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
+_WHY_UNSUPPORTED = {
+    "tools": "is not supported in /v1/completions (tool calling is in /v1/chat/completions)",
+    "tool_choice": "is not supported in /v1/completions (tool calling is in /v1/chat/completions)",
+    "functions": "(OpenAI's deprecated form of tools) is not implemented; use tools",
+    "function_call": "(OpenAI's deprecated form of tool_choice) is not implemented; use "
+    "tool_choice",
+    "logits_processors": "is not implemented by pagedserve yet (custom logits processors)",
+}
+
+
 def check_unsupported(request: SamplingFields) -> None:
     """400 for the UNSUPPORTED_FIELDS that this kind of request does not implement (tools in
     /v1/completions, the deprecated functions, custom logits processors): serving such a
@@ -138,10 +148,7 @@ def check_unsupported(request: SamplingFields) -> None:
             continue  # tools the model must not call: a plain answer, as vLLM gives
         if value not in _NO_OP_VALUES.get(name, (None,)):
             raise OpenAIError(
-                400,
-                f"{name} is not supported by pagedserve yet (tool calling and logits "
-                f"processors are not implemented); remove it from the request",
-                name,
+                400, f"{name} {_WHY_UNSUPPORTED[name]}; remove it from the request", name
             )
 
 
