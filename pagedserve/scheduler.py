@@ -2,6 +2,7 @@
 
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 from pagedserve.config import SchedulerConfig
@@ -89,6 +90,23 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def wait_for_grammars(self, timeout: float) -> bool:
+        """Block until a waiting request's grammar compile finishes, or `timeout` seconds
+        pass; whether one finished (or none was compiling). The engine calls it when a step
+        scheduled nothing, so that requests waiting only for their grammars do not make the
+        engine loop spin: it would otherwise call `schedule` thousands of times per compile."""
+        compiling = [
+            state.compiled
+            for request in self.waiting
+            if (state := request.structured_output) is not None
+            and state.grammar is None
+            and not state.compiled.done()
+        ]
+        if not compiling:
+            return True
+        done, _ = wait(compiling, timeout, return_when=FIRST_COMPLETED)
+        return bool(done)
 
     @property
     def can_schedule_ahead(self) -> bool:

@@ -19,6 +19,10 @@ from pagedserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+# How long a step that scheduled nothing waits for a grammar compile (s): new input waits
+# at most this long then, and a compile that ends wakes the engine at once.
+_GRAMMAR_WAIT_S = 0.02
+
 
 class EngineCore:
     """Owns the device work. `step()` schedules, runs the model and applies the stop rules."""
@@ -128,6 +132,8 @@ class EngineCore:
         if scheduler_output.is_empty:
             if scheduler_output.finished_request_ids:  # let workers drop finished state
                 self.executor.execute_model(scheduler_output)
+            if self._in_flight is None and not outputs:
+                self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
             return outputs + self._finish_in_flight()
         if not scheduler_output.grammar_deferred:
             launched = self.executor.execute_model_async(scheduler_output)
@@ -156,6 +162,7 @@ class EngineCore:
         if scheduler_output.is_empty:
             if scheduler_output.finished_request_ids:  # let workers drop finished state
                 self.executor.execute_model(scheduler_output)
+            self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
             return []
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -3,6 +3,8 @@ exactly the outputs of one-step-at-a-time scheduling, on a real model, on the CP
 
 from pathlib import Path
 
+import pytest
+
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.llm_engine import LLMEngine
 
@@ -37,6 +39,8 @@ def make_llm(async_scheduling: bool, **kwargs: object) -> LLM:
 
 
 def summary(llm: LLM, params: list[SamplingParams]) -> list[list[tuple]]:
+    """Per request, per sample: text, tokens, finish and stop reasons, and the logprobs as
+    (token id, rank, decoded text) and, last, their values. Compare with `assert_same`."""
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     return [
         [
@@ -45,12 +49,32 @@ def summary(llm: LLM, params: list[SamplingParams]) -> list[list[tuple]]:
                 c.token_ids,
                 c.finish_reason,
                 c.stop_reason,
-                None if c.logprobs is None else [sorted(lp.items()) for lp in c.logprobs],
+                None
+                if c.logprobs is None
+                else [
+                    [(t, lp.rank, lp.decoded_token) for t, lp in sorted(d.items())]
+                    for d in c.logprobs
+                ],
+                None
+                if c.logprobs is None
+                else [lp.logprob for d in c.logprobs for _, lp in sorted(d.items())],
             )
             for c in o.outputs
         ]
         for o in outputs
     ]
+
+
+def assert_same(got: list[list[tuple]], expected: list[list[tuple]]) -> None:
+    """Everything equal but the logprob values, which agree within 1e-5: the two engines
+    batch different requests together in a step, and a float32 CPU matmul's rounding can
+    depend on the batch's row count (seen: differences of 2e-6)."""
+    assert [[c[:-1] for c in o] for o in got] == [[c[:-1] for c in o] for o in expected]
+    for o, e in zip(got, expected, strict=True):
+        for c, ce in zip(o, e, strict=True):
+            assert (c[-1] is None) == (ce[-1] is None)
+            if c[-1] is not None:
+                assert c[-1] == pytest.approx(ce[-1], abs=1e-5, rel=0)
 
 
 def test_greedy_equals_sync_through_preemption_and_stops() -> None:
@@ -66,7 +90,7 @@ def test_greedy_equals_sync_through_preemption_and_stops() -> None:
     ]
     expected = summary(sync, params)
     llm = make_llm(True)
-    assert summary(llm, params) == expected
+    assert_same(summary(llm, params), expected)
     assert llm.llm_engine.scheduler.num_preemptions_total > 0
     assert any(o[0][3] == comma for o in expected), "some request should stop at a token"
 
@@ -86,7 +110,7 @@ def test_sampling_features_equal_sync() -> None:
         SamplingParams(temperature=0, max_tokens=30, bad_words=["the"]),
     ]
     expected = summary(make_llm(False, num_gpu_blocks_override=200), kinds)
-    assert summary(make_llm(True, num_gpu_blocks_override=200), kinds) == expected
+    assert_same(summary(make_llm(True, num_gpu_blocks_override=200), kinds), expected)
 
 
 def test_a_step_stays_in_flight_unless_a_request_needs_its_tokens() -> None:

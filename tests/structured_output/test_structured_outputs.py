@@ -5,6 +5,7 @@ others alone, and the grammar state survives n > 1, seeds, preemption and async 
 import json
 import random
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +231,43 @@ def test_async_constrained_requests_run_every_step(tiny_qwen3: Path) -> None:
         num_tokens = len(output.outputs[0].token_ids)
         assert re.fullmatch(r"(ab|cd){8}", output.outputs[0].text)
         assert 0 < steps <= num_tokens + 2, (steps, num_tokens)
+    finally:
+        engine.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_waits_for_a_compile_instead_of_spinning(
+    tiny_qwen3: Path, async_scheduling: bool
+) -> None:
+    """While its only request waits for its grammar, the engine blocks on the compile instead
+    of calling `schedule` in a tight loop: a compile that takes 0.3 s costs a few dozen
+    schedules (one per 20 ms wait at most), not thousands."""
+    engine = make_llm(tiny_qwen3, async_scheduling=async_scheduling)
+    try:
+        core = engine.llm_engine.engine_core
+        manager = core.structured_output_manager
+        compile_once = manager._compile
+
+        def slow_compile(params: Any) -> Any:
+            time.sleep(0.3)
+            return compile_once(params)
+
+        manager._compile = slow_compile
+        schedules = 0
+        schedule = core.scheduler.schedule
+
+        def counted() -> Any:
+            nonlocal schedules
+            schedules += 1
+            return schedule()
+
+        core.scheduler.schedule = counted
+        params = constrained(regex=r"(ab|cd){4}", seed=None, max_tokens=16)
+        params.temperature = 0.0
+        [output] = engine.generate(["y"], params, use_tqdm=False)
+        assert re.fullmatch(r"(ab|cd){4}", output.outputs[0].text)
+        # 0.3 s / 20 ms = 15 waits, plus the steps that generate the 8 tokens.
+        assert schedules < 60, schedules
     finally:
         engine.llm_engine.shutdown()
 
