@@ -69,6 +69,18 @@ class StructuredOutputsParams:
                     f"structured_outputs.{name} must be a string, got {type(value).__name__}",
                     param="structured_outputs",
                 )
+        for name in (
+            "json_object",
+            "disable_fallback",
+            "disable_any_whitespace",
+            "disable_additional_properties",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "json_object" and value is None):
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} must be a boolean, got {type(value).__name__}",
+                    param="structured_outputs",
+                )
         if self.json is not None and not isinstance(self.json, str | dict):
             raise InvalidRequestError(
                 "structured_outputs.json must be a JSON schema (an object or its JSON text)",
