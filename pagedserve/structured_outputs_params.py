@@ -45,6 +45,12 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
+        # JSON Schema's `false` (not "no json"): no value is valid. Users may pass it.
+        if self.json is False:  # type: ignore[comparison-overlap]
+            raise InvalidRequestError(
+                "structured_outputs.json is false, a schema that no output satisfies",
+                param="structured_outputs",
+            )
         given = [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise InvalidRequestError(

@@ -112,6 +112,13 @@ def _from_response_format(value: dict[str, Any] | None) -> StructuredOutputsPara
                 "response_format",
             )
         schema = spec["schema"]
+        if schema is False:  # JSON Schema's `false`: no value is valid; never ends
+            raise InvalidRequestError(
+                "response_format.json_schema.schema is false, a schema that no output "
+                "satisfies",
+                "response_format",
+            )
+        # `true`: any JSON value, as the empty schema.
         return _params("response_format", json=schema if isinstance(schema, dict) else {})
     if kind == "structural_tag":
         return _params("response_format", structural_tag=json.dumps(value))
