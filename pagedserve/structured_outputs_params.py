@@ -26,7 +26,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: JSON without optional whitespace.
     disable_additional_properties: objects of a schema without "additionalProperties" get
         none (vLLM's flag; by default xgrammar allows them only where the schema does).
-    whitespace_pattern: the regex of JSON's optional whitespace.
+    whitespace_pattern: the regex of JSON's optional whitespace (vLLM's field; the xgrammar
+        backend cannot honour it, so a non-null value is refused when the request is checked).
 
     Raises InvalidRequestError (a ValueError) when none or more than one kind is given, or a
     field has the wrong type; whether the constraint itself parses is checked by the grammar

@@ -172,6 +172,15 @@ def test_undecodable_structured_outputs_in_sampling_params_name_the_field(
     assert info.value.param == "structured_outputs" and words in str(info.value)
 
 
+def test_a_whitespace_pattern_is_refused_not_ignored() -> None:
+    """xgrammar cannot set JSON's whitespace regex: offline, the engine's check refuses it."""
+    params = StructuredOutputsParams(json={"type": "object"}, whitespace_pattern="[ ]?")
+    with pytest.raises(InvalidRequestError) as info:
+        validate_structured_outputs(params, "structured_outputs")
+    assert info.value.param == "structured_outputs.whitespace_pattern"
+    assert "whitespace_pattern is not supported" in str(info.value)
+
+
 def test_a_dict_of_structured_outputs_fields_is_taken() -> None:
     params = SamplingParams(structured_outputs={"regex": "a+"})
     assert params.structured_outputs == StructuredOutputsParams(regex="a+")

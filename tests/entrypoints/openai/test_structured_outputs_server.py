@@ -105,6 +105,17 @@ def test_fields_on_chat_and_completions_stream_and_not(qwen3_server: Server) -> 
             "schema is false",
         ),
         ({"structured_outputs": {"json": False}}, "structured_outputs", "json is false"),
+        (
+            {"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " *"}},
+            "structured_outputs.whitespace_pattern",
+            "whitespace_pattern is not supported",
+        ),
+        (
+            {"guided_json": {"type": "object"}, "guided_whitespace_pattern": " *"},
+            "guided_whitespace_pattern",
+            "guided_whitespace_pattern is not supported",
+        ),
+        ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
         ({"guided_json": False}, "guided_json", "json is false"),
         ({"structured_outputs": '{"json": {}}'}, "structured_outputs", "must be an object"),
         ({"structured_outputs": [{"json": {}}]}, "structured_outputs", "must be an object"),
