@@ -170,7 +170,8 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     load = ServerLoad()
     app.add_middleware(LoadMiddleware, load=load)
-    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    # As vLLM, an empty key is no key (no `Authorization: Bearer ` with nothing after it).
+    api_keys = [key for key in ([api_key] if isinstance(api_key, str) else api_key or []) if key]
     if api_keys:  # added late, so it runs early: no body is read for an unauthorized request
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     # Outermost: a browser's preflight (OPTIONS, no API key) is answered here, and every

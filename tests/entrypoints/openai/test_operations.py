@@ -39,6 +39,15 @@ def test_any_of_several_api_keys_is_accepted(
         assert response.status_code == status, key
 
 
+@pytest.mark.parametrize("api_key", ["", [""]])
+def test_an_empty_api_key_leaves_the_api_open(
+    fake_app_factory: Callable[..., InProcessApp], api_key: Any
+) -> None:
+    app = fake_app_factory(api_key=api_key)
+    for headers in ({}, {"Authorization": "Bearer "}, {"Authorization": "Bearer x"}):
+        assert app.get("/v1/models", headers=headers).status_code == 200, headers
+
+
 def test_load_counts_generation_requests_until_their_last_chunk(
     fake_app: InProcessApp,
 ) -> None:
