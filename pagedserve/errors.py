@@ -25,6 +25,11 @@ class EngineDeadError(PagedServeError):
     """The engine loop or a worker died; in-flight requests cannot finish. HTTP 503."""
 
 
+class RequestFailedError(PagedServeError):
+    """An internal error (e.g. detokenizing its output) ended one request; the engine and
+    the other requests go on. HTTP 500 (not 499: the client did not leave)."""
+
+
 class ServerShuttingDownError(PagedServeError):
     """The server is stopping (SIGTERM/SIGINT) and a request was still running when its
     drain period ended; the engine itself is fine. HTTP 503."""

@@ -8,6 +8,7 @@ from enum import Enum
 
 import pagedserve.envs as envs
 from pagedserve.beam_search_params import BeamSearchParams as BeamSearchParams
+from pagedserve.errors import InvalidRequestError
 from pagedserve.param_checks import check, is_int, is_number, is_unicode
 from pagedserve.structured_outputs_params import (
     StructuredOutputsParams as StructuredOutputsParams,
@@ -134,6 +135,7 @@ class SamplingParams:
         # on, as annotated: the engine core's decoder (msgspec) checks the annotations.
         for name in _FLAGS:
             setattr(self, name, bool(getattr(self, name)))
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         self._validate_numbers()
         self._validate()
         self._normalize_token_maps()
@@ -367,3 +369,26 @@ _FLAGS = (
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
 _FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _structured_outputs(value: object) -> StructuredOutputsParams | None:
+    """SamplingParams.structured_outputs as a StructuredOutputsParams: one already, None, or a
+    mapping of its fields (as the server's `structured_outputs` extra). Raises
+    InvalidRequestError naming structured_outputs for any other value or an unknown field."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise InvalidRequestError(
+            "SamplingParams.structured_outputs must be a StructuredOutputsParams (or a dict "
+            f"of its fields), got {type(value).__name__}",
+            "structured_outputs",
+        )
+    known = set(StructuredOutputsParams.__dataclass_fields__)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidRequestError(
+            f"SamplingParams.structured_outputs has unknown fields {unknown}; known: "
+            f"{sorted(known)}",
+            "structured_outputs",
+        )
+    return StructuredOutputsParams(**value)

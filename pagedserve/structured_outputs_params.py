@@ -26,7 +26,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: JSON without optional whitespace.
     disable_additional_properties: objects of a schema without "additionalProperties" get
         none (vLLM's flag; by default xgrammar allows them only where the schema does).
-    whitespace_pattern: the regex of JSON's optional whitespace.
+    whitespace_pattern: the regex of JSON's optional whitespace (vLLM's field; the xgrammar
+        backend cannot honour it, so a non-null value is refused when the request is checked).
 
     Raises InvalidRequestError (a ValueError) when none or more than one kind is given, or a
     field has the wrong type; whether the constraint itself parses is checked by the grammar
@@ -45,6 +46,12 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
+        # JSON Schema's `false` (not "no json"): no value is valid. Users may pass it.
+        if self.json is False:  # type: ignore[comparison-overlap]
+            raise InvalidRequestError(
+                "structured_outputs.json is false, a schema that no output satisfies",
+                param="structured_outputs",
+            )
         given = [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise InvalidRequestError(
@@ -67,6 +74,18 @@ class StructuredOutputsParams:
             if value is not None and not isinstance(value, str):
                 raise InvalidRequestError(
                     f"structured_outputs.{name} must be a string, got {type(value).__name__}",
+                    param="structured_outputs",
+                )
+        for name in (
+            "json_object",
+            "disable_fallback",
+            "disable_any_whitespace",
+            "disable_additional_properties",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "json_object" and value is None):
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} must be a boolean, got {type(value).__name__}",
                     param="structured_outputs",
                 )
         if self.json is not None and not isinstance(self.json, str | dict):

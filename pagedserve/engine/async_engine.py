@@ -17,7 +17,12 @@ from pagedserve.engine.llm_engine import (
     log_generation_defaults,
     register_request,
 )
-from pagedserve.errors import EngineDeadError, InvalidRequestError, PagedServeError
+from pagedserve.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    PagedServeError,
+    RequestFailedError,
+)
 from pagedserve.messages import EngineCoreOutputs
 from pagedserve.metrics import EngineMetrics
 from pagedserve.outputs import RequestOutput
@@ -269,6 +274,15 @@ class AsyncLLMEngine:
         if stopped:
             with contextlib.suppress(EngineDeadError):  # the watchdog reports a dead core
                 self.core.send_finish(stopped)
+        for failed in self.output_processor.pop_failed():  # one request's internal error
+            self.metrics.record_aborted(failed.request_id, len(failed.child_ids))
+            if failed.child_ids:
+                with contextlib.suppress(EngineDeadError):
+                    self.core.send_abort(failed.child_ids)
+            failed_stream = self.streams.pop(failed.request_id, None)
+            if failed_stream is not None:
+                error = RequestFailedError(f"request {failed.request_id} failed: {failed.error!r}")
+                failed_stream.queue.put_nowait(error)
         for output in request_outputs:
             stream = self.streams.get(output.request_id)
             if output.finished:

@@ -8,7 +8,7 @@ from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedserve.engine.model_files import log_diff_sampling_param, remote_code_error
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.errors import InvalidRequestError
+from pagedserve.errors import InvalidRequestError, RequestFailedError
 from pagedserve.kv_cache.manager import check_fits_cache
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
@@ -263,6 +263,13 @@ class LLMEngine:
         core_outputs = self.engine_core.step()
         request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
         self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        failed = self.output_processor.pop_failed()
+        for request in failed:
+            self.engine_core.abort_requests(request.child_ids)
+        if failed:  # offline, the caller sees the error (the failed requests are forgotten)
+            first = failed[0]
+            message = f"request {first.request_id} failed: {first.error!r}"
+            raise RequestFailedError(message) from first.error
         return request_outputs
 
     def shutdown(self) -> None:

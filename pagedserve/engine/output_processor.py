@@ -1,5 +1,6 @@
 """OutputProcessor: detokenize step outputs, apply stop strings, build RequestOutputs."""
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,17 @@ from pagedserve.outputs import (
     SampleLogprobs,
 )
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FailedRequest:
+    """A request that an internal error ended while its output was processed."""
+
+    request_id: str
+    child_ids: list[str]  # its engine-core requests still running (to abort there)
+    error: Exception
 
 
 @dataclass(slots=True)
@@ -65,6 +77,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
+        self.failed: list[FailedRequest] = []
 
     def add_request(
         self,
@@ -157,24 +170,46 @@ class OutputProcessor:
                 continue
             state = self.requests[parent[0]]
             seq = state.sequences[parent[1]]
-            if output.prompt_logprobs is not None:
-                self._add_prompt_logprobs(state, output.prompt_logprobs)
-            if not output.new_token_ids and output.finish_reason is None:
-                continue  # a prefill chunk: nothing to hand out yet
-            state.num_cached_tokens = output.num_cached_tokens
-            if self._update_sequence(seq, output):
-                stopped.append(output.request_id)
+            try:
+                if output.prompt_logprobs is not None:
+                    self._add_prompt_logprobs(state, output.prompt_logprobs)
+                if not output.new_token_ids and output.finish_reason is None:
+                    continue  # a prefill chunk: nothing to hand out yet
+                state.num_cached_tokens = output.num_cached_tokens
+                if self._update_sequence(seq, output):
+                    stopped.append(output.request_id)
+            except Exception as e:  # one request's bug must not end the others
+                self._fail(state.request_id, e)
+                touched.pop(state.request_id, None)
+                continue
             if seq.finished:
                 del self.child_to_parent[output.request_id]
             touched[state.request_id] = state
         request_outputs = []
         for state in touched.values():
-            request_output = self._make_output(state)
+            try:
+                request_output = self._make_output(state)
+            except Exception as e:
+                self._fail(state.request_id, e)
+                continue
             if request_output is not None:
                 request_outputs.append(request_output)
             if state.finished:
                 del self.requests[state.request_id]
         return request_outputs, stopped
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """Forget a request whose output could not be processed (an internal error, logged
+        with its traceback); `pop_failed` hands it to the engine, which aborts its engine-core
+        requests and ends its stream with RequestFailedError."""
+        logger.exception("request %s failed while processing its output", request_id)
+        children = self.abort_request(request_id)
+        self.failed.append(FailedRequest(request_id, children, error))
+
+    def pop_failed(self) -> list["FailedRequest"]:
+        """The requests `process_outputs` failed since the last call (and forgets them)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def _update_sequence(self, seq: _SequenceState, output: EngineCoreOutput) -> bool:
         """Returns True when a stop string ended the sequence."""

@@ -7,7 +7,9 @@ Source: vLLM's `FlexibleArgumentParser` (vllm/utils/argparse_utils.py) and
 """
 
 import argparse
+import json
 import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +30,11 @@ def human_int(text: str) -> int:
     """argparse type of an integer option that may carry a size suffix: "32768", "32k"
     (32,000), "32K" (32,768), "25.6k" (25,600), "4GiB" (4 * 2**30), "4GB" (4 * 10**9).
 
-    A fraction is allowed with a suffix when the result is whole. Raises
-    argparse.ArgumentTypeError naming the accepted forms."""
+    A fraction is allowed with a suffix when the result is whole; it is computed exactly
+    (fractions.Fraction: "9007199254740.993k" is 9,007,199,254,740,993, and "1.0000001k" is
+    not whole). Raises argparse.ArgumentTypeError naming the accepted forms."""
     match = _SIZE.fullmatch(text)
+    reason = ""
     if match is None and re.fullmatch(r"\s*-\d+\s*", text):
         return int(text)  # a negative plain integer (e.g. -1 meaning "no cap")
     if match is not None:
@@ -38,11 +42,12 @@ def human_int(text: str) -> int:
         scale = 1 if not suffix else _DECIMAL.get(suffix) or _BINARY.get(suffix)
         scale = scale or _BYTE_UNITS.get(suffix)
         if scale is not None and ("." not in number or suffix):
-            value = float(number) * scale if "." in number else int(number) * scale
-            if value == int(value):
+            value = Fraction(number) * scale
+            if value.denominator == 1:
                 return int(value)
+            reason = f"{number} x {scale} = {value} is not a whole number; "
     raise argparse.ArgumentTypeError(
-        f"invalid integer {text!r}: want digits with an optional size suffix "
+        f"invalid integer {text!r}: {reason}want digits with an optional size suffix "
         f"(k/m/g/t = 1000^n, K/M/G/T = 1024^n, or kB/MB/GB, KiB/MiB/GiB)"
     )
 
@@ -52,8 +57,10 @@ def normalize_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str
     first, so that the command line wins) and underscores in long flag names turned into
     dashes.
 
-    Raises SystemExit with one line naming the file when it cannot be read or is not a
-    mapping of flag names to values."""
+    The file's flags go after the subcommand and its positional model, if the command line
+    has one (as vLLM's `serve MODEL --config FILE`), so that a list value for a flag taking
+    several values cannot swallow the model. Raises SystemExit with one line naming the file
+    when it cannot be read or is not a mapping of flag names to values."""
     out: list[str] = []
     from_file: list[str] = []
     i = 0
@@ -71,32 +78,51 @@ def normalize_argv(argv: list[str], parser: argparse.ArgumentParser) -> list[str
                         raise SystemExit("pagedserve: error: --config needs a YAML file")
                     i += 1
                     value = argv[i]
-                from_file += config_file_flags(value, option_strings(parser))
+                from_file += config_file_flags(value, option_actions(parser))
                 i += 1
                 continue
         out.append(arg)
         i += 1
-    # The file's flags go right after the subcommand (or first), before the command line's.
-    split = 1 if out and not out[0].startswith("-") else 0
+    # The file's flags go right after the subcommand and its positional (or first), before
+    # the command line's flags.
+    split = 0
+    while split < len(out) and split < 2 and not out[split].startswith("-"):
+        split += 1
     return out[:split] + from_file + out[split:]
 
 
-def option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option string of `parser` and of its subcommands' parsers."""
-    found: set[str] = set()
+def option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every option string of `parser` and of its subcommands' parsers, with its action."""
+    found: dict[str, argparse.Action] = {}
     for action in parser._actions:
-        found.update(action.option_strings)
+        for name in action.option_strings:
+            found.setdefault(name, action)
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                found |= option_strings(sub)
+                for name, sub_action in option_actions(sub).items():
+                    found.setdefault(name, sub_action)
     return found
 
 
-def config_file_flags(path: str, known: set[str]) -> list[str]:
-    """The flags a YAML config file stands for: `max-num-seqs: 12` -> ["--max-num-seqs",
-    "12"]; `true` -> the bare flag; `false` -> `--no-flag` where `known` (the parser's option
-    strings) has it, else nothing (an off switch left off); a list -> the flag followed by each
-    item; a mapping -> its JSON. Raises SystemExit with one line on a bad file."""
+def _takes_several(action: argparse.Action | None) -> bool:
+    """Whether a flag takes several command-line values (nargs "+", "*" or a count > 1)."""
+    nargs = None if action is None else action.nargs
+    return nargs in ("+", "*") or (isinstance(nargs, int) and nargs > 1)
+
+
+def _text(value: Any) -> str:
+    """A YAML scalar as a command-line value; a list or mapping as its JSON."""
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def config_file_flags(path: str, actions: dict[str, argparse.Action]) -> list[str]:
+    """The flags a YAML config file stands for (`actions`: the parser's option strings with
+    their actions): `max-num-seqs: 12` -> ["--max-num-seqs", "12"]; `true` -> the bare flag;
+    `false` -> `--no-flag` where the parser has it, else nothing (an off switch left off);
+    `null` -> nothing (the default stays); a list -> the flag followed by each item for a
+    flag taking several values (`served-model-name: [a, b]`), else its JSON as one value
+    (`allowed-origins: [...]`, a JSON-valued flag); a mapping -> its JSON. Raises SystemExit
+    with one line on a bad file."""
     import yaml
 
     try:
@@ -114,17 +140,16 @@ def config_file_flags(path: str, known: set[str]) -> list[str]:
     flags: list[str] = []
     for key, value in data.items():
         flag = "--" + key.lstrip("-").replace("_", "-")
+        if value is None:
+            continue
         if value is True:
             flags.append(flag)
         elif value is False:
-            if "--no-" + flag[2:] in known:
+            if "--no-" + flag[2:] in actions:
                 flags.append("--no-" + flag[2:])
-        elif isinstance(value, list):
-            flags += [flag, *map(str, value)]
-        elif isinstance(value, dict):
-            import json
-
-            flags += [flag, json.dumps(value)]
+        elif isinstance(value, list) and _takes_several(actions.get(flag)):
+            if value:  # an empty list leaves the default
+                flags += [flag, *map(_text, value)]
         else:
-            flags += [flag, str(value)]
+            flags += [flag, _text(value)]
     return flags

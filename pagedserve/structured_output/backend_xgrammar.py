@@ -108,7 +108,16 @@ def validate_structured_outputs(params: StructuredOutputsParams, param: str) -> 
     400 before the request reaches the engine (vLLM's `validate_xgrammar_grammar`).
 
     Raises InvalidRequestError naming `param` (the request field the constraint came from:
-    response_format, structured_outputs, guided_json, ...) with xgrammar's parse error."""
+    response_format, structured_outputs, guided_json, ...) with xgrammar's parse error, or
+    for a whitespace_pattern, which xgrammar (0.2.x) cannot honour (it only has
+    any_whitespace on or off: disable_any_whitespace)."""
+    if params.whitespace_pattern is not None:
+        raise InvalidRequestError(
+            f"{param}.whitespace_pattern is not supported by the xgrammar backend (it cannot "
+            "set JSON's whitespace regex); leave it null, or set disable_any_whitespace for "
+            "JSON without optional whitespace",
+            f"{param}.whitespace_pattern",
+        )
     try:
         _check_constraint(constraint_key(params))
     except InvalidRequestError:

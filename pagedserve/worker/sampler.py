@@ -7,7 +7,7 @@ import torch
 
 from pagedserve.messages import PromptLogprobsData
 from pagedserve.worker.penalties import apply_penalties
-from pagedserve.worker.sampling_metadata import SamplingMetadata, Truncation
+from pagedserve.worker.sampling_metadata import MinTokensBans, SamplingMetadata, Truncation
 
 _NEG_INF = float("-inf")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -33,9 +33,10 @@ class Sampler:
     """Turns the last-position logits of each sampled request into one next token.
 
     Order of operations, as in vLLM v1, every step a tensor operation over the rows that use it:
-    1. processors that change the argmax: tokens outside `allowed_token_ids`, bad words and
-       (before `min_tokens`) stop tokens get -inf; `logit_bias` is added; then the repetition,
-       frequency and presence penalties. Greedy rows take the argmax here.
+    1. processors that change the argmax: tokens outside `allowed_token_ids` and bad words
+       get -inf; `logit_bias` is added; stop tokens get -inf before `min_tokens` (unless
+       nothing else is left: `ban_stop_tokens`); then the repetition, frequency and presence
+       penalties. Greedy rows take the argmax here.
     2. the temperature divides the logits; logprobs are log-softmax at this point;
     3. min-p, then top-k, then top-p cut the tail (the most likely token always stays);
     4. inverse-CDF sampling: one uniform number per row picks a token from the cumulative
@@ -92,6 +93,8 @@ def apply_logits_processors(
         logits.index_put_(
             (adjustments.rows, adjustments.token_ids), adjustments.values, accumulate=True
         )
+    if metadata.min_tokens_bans is not None:
+        ban_stop_tokens(logits, metadata.min_tokens_bans)
     if metadata.penalties is not None:
         penalties = metadata.penalties
         apply_penalties(
@@ -103,6 +106,18 @@ def apply_logits_processors(
             penalties.presence,
             penalties.frequency,
         )
+
+
+def ban_stop_tokens(logits: torch.Tensor, bans: MinTokensBans) -> None:
+    """-inf for the stop tokens of the rows before their `min_tokens`, except in a row where
+    that would ban every token: there only stop tokens are left (a complete grammar allows
+    nothing else), and they keep their logits, so that the request ends as its grammar says
+    rather than sampling garbage from a row of -inf. No device sync."""
+    kept = logits[bans.entry_rows, bans.token_ids]
+    logits[bans.entry_rows, bans.token_ids] = _NEG_INF
+    alive = (logits.index_select(0, bans.rows) > _NEG_INF).any(dim=1)  # [num_rows_banned]
+    restored = torch.where(alive[bans.entry_local], torch.full_like(kept, _NEG_INF), kept)
+    logits[bans.entry_rows, bans.token_ids] = restored
 
 
 def sample_random(

@@ -22,11 +22,23 @@ _GREEDY, _SEEDED, _PENALIZED, _BIASED, _RESTRICTED, _BAD_WORDS, _STOPPABLE = ran
 @dataclass(slots=True)
 class LogitAdjustments:
     """Sparse additions to the logits: each `logit_bias`, and -inf for banned tokens (bad
-    words, stop tokens before `min_tokens`)."""
+    words)."""
 
     rows: torch.Tensor  # [num_adjustments] int64
     token_ids: torch.Tensor  # [num_adjustments] int64
     values: torch.Tensor  # [num_adjustments] float32
+
+
+@dataclass(slots=True)
+class MinTokensBans:
+    """The stop tokens of the rows before their `min_tokens`, banned unless that would leave
+    the row no token at all (a grammar that is complete allows only its stop tokens: the
+    request then ends, as the grammar says, instead of sampling from an all -inf row)."""
+
+    rows: torch.Tensor  # [num_rows_banned] int64, each row once
+    entry_rows: torch.Tensor  # [num_bans] int64, the logits row of each ban
+    entry_local: torch.Tensor  # [num_bans] int64, its index in `rows`
+    token_ids: torch.Tensor  # [num_bans] int64
 
 
 @dataclass(slots=True)
@@ -76,6 +88,7 @@ class SamplingMetadata:
     seeds: SeedMetadata | None
     allowed: AllowedTokens | None
     adjustments: LogitAdjustments | None
+    min_tokens_bans: MinTokensBans | None
     penalties: PenaltyMetadata | None
     num_logprobs: list[int | None]  # per row; None = no logprobs
     logprob_rows: torch.Tensor | None  # [num_logprob_rows] int64, the rows that want logprobs
@@ -246,7 +259,8 @@ class SamplingStateManager:
             truncation=self._truncation(floats, ints, random_rows),
             seeds=self._seeds(ints, flags[:, _SEEDED] & random_rows, seq_lens),
             allowed=self._allowed(records, flags),
-            adjustments=self._adjustments(records, ints, flags, seq_lens),
+            adjustments=self._adjustments(records, flags),
+            min_tokens_bans=self._min_tokens_bans(records, ints, flags, seq_lens),
             penalties=self._penalties(records, floats, flags),
             num_logprobs=[n if n >= 0 else None for n in num_logprobs.tolist()],
             logprob_rows=self._to_device(logprob_rows) if logprob_rows.size else None,
@@ -293,12 +307,31 @@ class SamplingStateManager:
         banned[local, torch.cat(token_ids)] = False
         return AllowedTokens(self._to_device(rows), banned.to(self.device, non_blocking=True))
 
-    def _adjustments(
+    def _min_tokens_bans(
         self,
         records: list[_RequestRecord],
         ints: np.ndarray,
         flags: np.ndarray,
         seq_lens: list[int],
+    ) -> MinTokensBans | None:
+        num_outputs = np.asarray(seq_lens, np.int64) - ints[:, _NUM_PROMPT_TOKENS]
+        before_min_tokens = flags[:, _STOPPABLE] & (num_outputs < ints[:, _MIN_TOKENS])
+        rows = np.flatnonzero(before_min_tokens)
+        if rows.size == 0:
+            return None
+        token_ids = [_present(records[row].stop_token_ids) for row in rows.tolist()]
+        counts = torch.tensor([len(ids) for ids in token_ids])
+        entry_local = torch.repeat_interleave(counts)
+        entry_rows = torch.from_numpy(rows)[entry_local]
+        return MinTokensBans(
+            self._to_device(rows),
+            entry_rows.to(self.device, non_blocking=True),
+            entry_local.to(self.device, non_blocking=True),
+            torch.cat(token_ids).to(self.device, non_blocking=True),
+        )
+
+    def _adjustments(
+        self, records: list[_RequestRecord], flags: np.ndarray
     ) -> LogitAdjustments | None:
         rows: list[torch.Tensor] = []
         token_ids: list[torch.Tensor] = []
@@ -312,10 +345,6 @@ class SamplingStateManager:
         for row in np.flatnonzero(flags[:, _BIASED]).tolist():
             record = records[row]
             add(row, _present(record.bias_token_ids), _present(record.bias_values))
-        num_outputs = np.asarray(seq_lens, np.int64) - ints[:, _NUM_PROMPT_TOKENS]
-        before_min_tokens = flags[:, _STOPPABLE] & (num_outputs < ints[:, _MIN_TOKENS])
-        for row in np.flatnonzero(before_min_tokens).tolist():
-            add(row, _present(records[row].stop_token_ids), _NEG_INF)
         for row in np.flatnonzero(flags[:, _BAD_WORDS]).tolist():
             record = records[row]
             banned = bad_word_bans(record.bad_words, _present(record.recent_output_token_ids))

@@ -40,6 +40,15 @@ def test_defaults(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     assert build_parser().parse_args(["generate"]).command == "generate"
 
 
+def test_an_empty_api_key_is_no_key(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """As vLLM: `--api-key ""` leaves the API open (not a key of nothing)."""
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+    args = resolve_server_args(build_parser().parse_args(["serve", "--api-key", ""]))
+    assert args.api_key is None
+    args = resolve_server_args(build_parser().parse_args(["serve", "--api-key", "", "k"]))
+    assert args.api_key == ["k"]
+
+
 @pytest.mark.parametrize(
     ("flags", "words"),
     [

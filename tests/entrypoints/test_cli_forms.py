@@ -69,6 +69,43 @@ def test_config_file_flags_and_the_command_line_wins(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("text", "value"),
+    [("9007199254740.993k", 9007199254740993), ("1.5k", 1500), ("0.5K", 512),
+     ("18014398509481.985k", 18014398509481985)],
+)  # fmt: skip
+def test_human_readable_ints_are_exact(text: str, value: int) -> None:
+    assert human_int(text) == value  # a float product would round these
+
+
+@pytest.mark.parametrize("text", ["1.0000000000000001k", "1.2345k", "0.3K"])
+def test_human_readable_ints_that_are_not_whole_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="not a whole number"):
+        human_int(text)
+
+
+def test_config_file_model_lists_json_values_and_nulls(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: /models/x\nserved-model-name: [a, b]\n"
+        'allowed_origins: ["https://a.example", "https://b.example"]\n'
+        "hf-overrides: {rope_scaling: {factor: 2.0}, tie: true}\n"
+        "root-path: null\napi-key: null\nmax-model-len: 1.5k\n"
+    )
+    args = parse(["serve", "--config", str(config)])
+    assert args.model == "/models/x" and args.model_tag is None  # the YAML's model is used
+    assert args.served_model_name == ["a", "b"]
+    # A JSON-valued flag gets the YAML list (or mapping) as one JSON value.
+    assert args.allowed_origins == ["https://a.example", "https://b.example"]
+    assert args.hf_overrides == {"rope_scaling": {"factor": 2.0}, "tie": True}
+    assert args.root_path is None and args.api_key is None  # null: the default, not "None"
+    assert args.max_model_len == 1500
+    # The command line's positional model wins, and a list last in the file cannot take it.
+    config.write_text("model: /models/x\nserved-model-name: [a, b]\n")
+    args = parse(["serve", "m", "--config", str(config)])
+    assert args.model_tag == "m" and args.served_model_name == ["a", "b"]
+
+
+@pytest.mark.parametrize(
     ("content", "words"),
     [(None, "cannot read it as YAML"), ("[1, 2]", "want a YAML mapping"), ("a: [", "YAML")],
 )

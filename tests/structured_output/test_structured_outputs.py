@@ -310,3 +310,23 @@ def test_chat_with_json_object(llm: LLM) -> None:
         assert isinstance(json.loads(text), dict)
     else:  # a random model may write a long object: it is still an object's prefix
         assert text.startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("constraint", "text"),
+    [({"choice": ["yes", "no"]}, ("yes", "no")), ({"regex": "ab"}, ("ab",)),
+     ({"json": {"type": "boolean"}}, ("true", "false"))],
+)  # fmt: skip
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_does_not_outlast_a_complete_grammar(
+    llm: LLM, constraint: dict[str, Any], text: tuple[str, ...], temperature: float
+) -> None:
+    """Once the grammar is complete only EOS is allowed; min_tokens' EOS ban must not then
+    ban every token (the output went on with garbage): the request ends with "stop"."""
+    params = SamplingParams(
+        max_tokens=12, min_tokens=6, temperature=temperature, seed=1,
+        structured_outputs=StructuredOutputsParams(**constraint),
+    )  # fmt: skip
+    output = llm.generate(["Answer:"], params, use_tqdm=False)[0].outputs[0]
+    assert output.text in text and output.finish_reason == "stop", output
+    assert output.token_ids[-1] == llm.get_tokenizer().eos_token_id

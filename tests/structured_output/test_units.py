@@ -152,6 +152,40 @@ def test_invalid_constraints_name_their_field(constraint: dict[str, Any], words:
     assert "/project/cpp" not in str(info.value)  # xgrammar's source position is cut
 
 
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("abc", "got str"),
+        ([{"json": {}}], "got list"),
+        ({"json": {}, "foo": 1}, "unknown fields ['foo']"),
+        ({"json": {}, "disable_any_whitespace": "yes"}, "disable_any_whitespace must be a bool"),
+        ({"json_object": "yes"}, "json_object must be a boolean"),
+    ],
+)
+def test_undecodable_structured_outputs_in_sampling_params_name_the_field(
+    value: Any, words: str
+) -> None:
+    """Offline, a SamplingParams whose structured_outputs is not a StructuredOutputsParams (or
+    a dict of its fields) is refused at construction, not an AttributeError in the engine."""
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(structured_outputs=value)
+    assert info.value.param == "structured_outputs" and words in str(info.value)
+
+
+def test_a_whitespace_pattern_is_refused_not_ignored() -> None:
+    """xgrammar cannot set JSON's whitespace regex: offline, the engine's check refuses it."""
+    params = StructuredOutputsParams(json={"type": "object"}, whitespace_pattern="[ ]?")
+    with pytest.raises(InvalidRequestError) as info:
+        validate_structured_outputs(params, "structured_outputs")
+    assert info.value.param == "structured_outputs.whitespace_pattern"
+    assert "whitespace_pattern is not supported" in str(info.value)
+
+
+def test_a_dict_of_structured_outputs_fields_is_taken() -> None:
+    params = SamplingParams(structured_outputs={"regex": "a+"})
+    assert params.structured_outputs == StructuredOutputsParams(regex="a+")
+
+
 def test_bitmask_rows_are_int32_words(tokenizer: Any) -> None:
     manager = _manager(tokenizer)
     request = _request([1], choice=["a"])

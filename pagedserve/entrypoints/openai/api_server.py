@@ -33,6 +33,7 @@ from .operations import (
     APIKeyMiddleware,
     CorsOptions,
     LoadMiddleware,
+    RootPathMiddleware,
     ServerLoad,
     add_cors,
     add_operation_routes,
@@ -136,6 +137,7 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    root_path: str | None = None,
 ) -> FastAPI:
     """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows.
     `cors`: the CORS policy (default: any origin, method and header, no credentials, as
@@ -143,6 +145,8 @@ def build_app(
 
     enable_auto_tool_choice, tool_call_parser: the server flags of those names;
     reasoning_parser: the engine's --reasoning-parser (None: the engine config's, if any).
+    root_path: --root-path, the prefix a proxy serves the API under; requests are served with
+    it or without it (RootPathMiddleware).
     Raises ValueError when the tokenizer lacks the reasoning parser's marker tokens.
 
     `on_engine_death` (None: keep answering 503) is called once, while the app runs, soon
@@ -166,12 +170,15 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     load = ServerLoad()
     app.add_middleware(LoadMiddleware, load=load)
-    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    # As vLLM, an empty key is no key (no `Authorization: Bearer ` with nothing after it).
+    api_keys = [key for key in ([api_key] if isinstance(api_key, str) else api_key or []) if key]
     if api_keys:  # added late, so it runs early: no body is read for an unauthorized request
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     # Outermost: a browser's preflight (OPTIONS, no API key) is answered here, and every
     # answer, 401s included, carries the CORS headers the page needs to read it.
     add_cors(app, cors or CorsOptions())
+    if root_path:  # outermost of all: every middleware and route sees the route's path
+        app.add_middleware(RootPathMiddleware, root_path=root_path)
     # The model's generation-config defaults for fields a request leaves out (vLLM's
     # default_sampling_params); fakes in tests have no model config.
     model_config = getattr(engine, "model_config", None)
@@ -349,6 +356,7 @@ def run_server(args: argparse.Namespace) -> None:
                 enable_auto_tool_choice=args.enable_auto_tool_choice,
                 tool_call_parser=args.tool_call_parser,
                 reasoning_parser=args.reasoning_parser,
+                root_path=args.root_path,
             )
         except ValueError as e:  # e.g. a reasoning parser whose markers the tokenizer lacks
             raise SystemExit(f"pagedserve serve: error: {e}") from None

@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedserve.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.structured_output.backend_xgrammar import validate_structured_outputs
 
 from .protocol import ChatCompletionRequest, DeltaMessage
 from .protocol_tools import ChatCompletionNamedToolChoiceParam, ToolCall
@@ -94,6 +95,17 @@ def required_tools_schema(request: ChatCompletionRequest) -> dict[str, Any]:
     return schema
 
 
+def _check_parameters(tools: list[tuple[int, Any]]) -> None:
+    """Raise InvalidRequestError (400) naming `tools.{i}.function.parameters` for the first
+    of these (index, tool) pairs whose parameters are not a JSON schema the grammar engine
+    can compile (their output is constrained to it)."""
+    for index, tool in tools:
+        schema = dict(tool.function.parameters or _NO_PARAMETERS)
+        validate_structured_outputs(
+            StructuredOutputsParams(json=schema), f"tools.{index}.function.parameters"
+        )
+
+
 def apply_tool_params(
     request: ChatCompletionRequest, params: SamplingParams, parses_auto_tools: bool
 ) -> None:
@@ -102,13 +114,17 @@ def apply_tool_params(
     text (tool call markers are special tokens in some vocabularies; vLLM's parsers do this
     too). As in vLLM, the JSON may hold any whitespace unless the engine's
     --disable-any-whitespace is set. Raises OpenAIError 400 when the request constrains its
-    output otherwise as well."""
+    output otherwise as well, InvalidRequestError (400) naming `tools.{i}.function.parameters`
+    when a constrained tool's parameters are not a JSON schema."""
     choice = tool_choice_of(request)
     constraint = None
+    tools = list(enumerate(request.tools or []))
     if choice == "required":
+        _check_parameters(tools)
         constraint = required_tools_schema(request)
     elif isinstance(choice, ChatCompletionNamedToolChoiceParam):
-        tool = next(t for t in request.tools or [] if t.function.name == choice.function.name)
+        index, tool = next((i, t) for i, t in tools if t.function.name == choice.function.name)
+        _check_parameters([(index, tool)])
         constraint = dict(tool.function.parameters or _NO_PARAMETERS)
     elif choice == "auto" and parses_auto_tools:
         params.skip_special_tokens = False

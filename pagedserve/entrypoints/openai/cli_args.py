@@ -78,7 +78,7 @@ class ServerArgs:
     api_key: list[str] | None = option(
         None,
         help="require `Authorization: Bearer KEY` (any of the keys given) on every route but "
-        "/health, /ping and /metrics",
+        "/health, /ping and /metrics; an empty key is no key (as vLLM)",
         default_text="$PAGEDSERVE_API_KEY, else no key",
         cli={"nargs": "+"},
     )
@@ -209,6 +209,8 @@ def resolve_server_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.api_key is None:
         key = envs.api_key()
         args.api_key = [key] if key else None
+    else:  # as vLLM, an empty key is no key: `--api-key ""` leaves the API open
+        args.api_key = [key for key in args.api_key if key] or None
     if not args.served_model_name:
         # The bundled model by its name, not its path inside site-packages.
         args.served_model_name = ["stories260k" if args.model == DEFAULT_MODEL else args.model]

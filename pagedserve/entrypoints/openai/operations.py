@@ -9,6 +9,7 @@ import hmac
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Response
+from starlette._utils import get_route_path
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,6 +22,39 @@ OPEN_PATHS = ("/health", "/ping", "/metrics")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
+def _without_prefix(path: str, prefix: str) -> str:
+    """`path` without a leading `prefix` (a whole path segment: "/llm" is not the prefix of
+    "/llmx")."""
+    if prefix and (path == prefix or path.startswith(prefix + "/")):
+        return path[len(prefix) :] or "/"
+    return path
+
+
+class RootPathMiddleware:
+    """`--root-path PREFIX` (vLLM's, an ASGI root_path): a request is served whether the
+    proxy in front stripped the prefix (`/v1/models`) or not (`/PREFIX/v1/models`). Outermost:
+    it gives the scope the ASGI form (`root_path` PREFIX, `path` PREFIX + the route's path,
+    once), so that the other middlewares (API keys, /load) and the routes all see the route's
+    path (starlette's get_route_path), and the OpenAPI document names the prefix."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or not self.root_path:
+            await self.app(scope, receive, send)
+            return
+        given = scope.get("root_path", "")  # uvicorn's --root-path: already in `path`
+        route = _without_prefix(_without_prefix(scope["path"], given), self.root_path)
+        scope = {**scope, "root_path": self.root_path, "path": self.root_path + route}
+        if "raw_path" in scope and scope["raw_path"] is not None:
+            raw = scope["raw_path"].decode("latin-1")
+            raw = _without_prefix(_without_prefix(raw, given), self.root_path)
+            scope["raw_path"] = (self.root_path + raw).encode("latin-1")
+        await self.app(scope, receive, send)
+
+
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer KEY` for one of `api_keys`, compared in constant
     time. A plain ASGI middleware (not BaseHTTPMiddleware), so that streaming and disconnects
@@ -31,7 +65,7 @@ class APIKeyMiddleware:
         self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or get_route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
@@ -81,7 +115,7 @@ class LoadMiddleware:
         self.load = load
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+        if scope["type"] != "http" or get_route_path(scope) not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
         self.load.in_flight += 1

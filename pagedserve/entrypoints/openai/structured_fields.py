@@ -5,8 +5,9 @@ vLLM accepts them on /v1/completions and /v1/chat/completions alike:
   {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}, and
   vLLM's {"type": "structural_tag", "structures": [...], "triggers": [...]};
 - vLLM's `structured_outputs` extra: a dict of StructuredOutputsParams fields;
-- vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (and
-  `guided_whitespace_pattern`, which sets the JSON whitespace regex of any of them).
+- vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`
+  (`guided_whitespace_pattern`, and structured_outputs' `whitespace_pattern`, are 400s:
+  xgrammar cannot set JSON's whitespace regex).
 Each constraint is parsed here (xgrammar), so that a bad one is a 400 naming its field.
 """
 
@@ -49,18 +50,12 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
         if value is not None:
             found.append((name, _params(name, **{kind: value})))
     if request.guided_whitespace_pattern is not None:
-        if not found:
-            raise InvalidRequestError(
-                "guided_whitespace_pattern needs a JSON constraint (guided_json, response_format)",
-                "guided_whitespace_pattern",
-            )
-        name, params = found[0]
-        found[0] = (
-            name,
-            _params(
-                name,
-                **{**params.as_dict(), "whitespace_pattern": request.guided_whitespace_pattern},
-            ),
+        # xgrammar cannot set JSON's whitespace regex: refused, never silently ignored.
+        raise InvalidRequestError(
+            "guided_whitespace_pattern is not supported by the xgrammar backend (it cannot set "
+            "JSON's whitespace regex); leave it null, or use structured_outputs' "
+            "disable_any_whitespace for JSON without optional whitespace",
+            "guided_whitespace_pattern",
         )
     if len(found) > 1:
         raise InvalidRequestError(
@@ -112,6 +107,12 @@ def _from_response_format(value: dict[str, Any] | None) -> StructuredOutputsPara
                 "response_format",
             )
         schema = spec["schema"]
+        if schema is False:  # JSON Schema's `false`: no value is valid; never ends
+            raise InvalidRequestError(
+                "response_format.json_schema.schema is false, a schema that no output satisfies",
+                "response_format",
+            )
+        # `true`: any JSON value, as the empty schema.
         return _params("response_format", json=schema if isinstance(schema, dict) else {})
     if kind == "structural_tag":
         return _params("response_format", structural_tag=json.dumps(value))

@@ -1,6 +1,7 @@
 """Every error is OpenAI-shaped, has the right status, and leaves the server healthy: in
 process, on the fake engine (the real tokenizing and validation) behind an API key."""
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -183,3 +184,34 @@ def test_unknown_route_is_openai_shaped_404(fake_app: InProcessApp) -> None:
 def test_bad_request_inside_a_stream_request_is_a_plain_400(fake_app: InProcessApp) -> None:
     body = {"prompt": "x", "max_tokens": 5000, "stream": True}
     assert_error(fake_app.post("/v1/completions", body), 400, "5000")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failure_to_decode_one_request_is_a_500_and_the_engine_goes_on(
+    app_loop: Any, real_engine: Any, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """An internal error while detokenizing a request's output ends that request with a 500
+    (OpenAI's error body; not 499, which is for a client that left, and not a dead engine's
+    503); the next request is served."""
+    from pagedserve.engine.detokenizer import IncrementalDetokenizer
+
+    app = InProcessApp(app_loop, real_engine, "m")
+    body = {"model": "m", "prompt": "Once", "max_tokens": 3, "stream": stream}
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("cannot decode")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(IncrementalDetokenizer, "update", fail)
+        response = app.post("/v1/completions", body)
+    if stream:
+        assert response.status_code == 200  # the headers went before the failure
+        error = json.loads(response.text.split("data: ", 1)[1].split("\n\n", 1)[0])["error"]
+    else:
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+    assert error["code"] == 500 and error["type"] == "InternalServerError"
+    assert "cannot decode" not in error["message"]  # the cause goes to the server log only
+    after = app.post("/v1/completions", {**body, "stream": False})
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["finish_reason"] == "length"

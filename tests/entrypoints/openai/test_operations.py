@@ -2,6 +2,9 @@
 process, on the fake engine."""
 
 import asyncio
+import socket
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -9,7 +12,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import uvicorn
 
+from pagedserve.entrypoints.openai.api_server import build_app
+
+from .conftest import shared_tokenizer
+from .fake_engine import FakeEngine
 from .in_process import InProcessApp
 
 
@@ -29,6 +37,15 @@ def test_any_of_several_api_keys_is_accepted(
     for key, status in [("first", 200), ("second", 200), ("third", 401), ("firs", 401)]:
         response = app.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert response.status_code == status, key
+
+
+@pytest.mark.parametrize("api_key", ["", [""]])
+def test_an_empty_api_key_leaves_the_api_open(
+    fake_app_factory: Callable[..., InProcessApp], api_key: Any
+) -> None:
+    app = fake_app_factory(api_key=api_key)
+    for headers in ({}, {"Authorization": "Bearer "}, {"Authorization": "Bearer x"}):
+        assert app.get("/v1/models", headers=headers).status_code == 200, headers
 
 
 def test_load_counts_generation_requests_until_their_last_chunk(
@@ -133,3 +150,39 @@ def test_tls_and_a_root_path_with_the_openai_client(
             httpx.get(running.url.replace("https", "http") + "/health", timeout=5.0)
     finally:
         running.stop()
+
+
+def test_a_root_path_is_served_with_or_without_the_prefix() -> None:
+    """`--root-path /llm` under uvicorn (which puts the prefix in the ASGI path): a proxy that
+    strips it and one that does not both reach the routes, and the API-key middleware sees
+    the route's path (/health stays open; /v1 needs the key)."""
+    engine = FakeEngine(shared_tokenizer("llama3"))
+    app = build_app(engine, ["m"], api_key="secret", root_path="/llm")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, root_path="/llm", log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        key = {"Authorization": "Bearer secret"}
+        for prefix in ("", "/llm"):
+            assert httpx.get(f"{base}{prefix}/health").status_code == 200, prefix
+            models = httpx.get(f"{base}{prefix}/v1/models", headers=key)
+            assert models.status_code == 200, (prefix, models.text)
+            assert [m["id"] for m in models.json()["data"]] == ["m"]
+            assert httpx.get(f"{base}{prefix}/v1/models").status_code == 401, prefix
+            body = {"model": "m", "prompt": "Hello", "max_tokens": 2}
+            completion = httpx.post(f"{base}{prefix}/v1/completions", json=body, headers=key)
+            assert completion.status_code == 200, (prefix, completion.text)
+        assert httpx.get(f"{base}/llmx/v1/models", headers=key).status_code == 404
+        openapi = httpx.get(f"{base}/llm/openapi.json", headers=key).json()
+        assert {"url": "/llm"} in openapi.get("servers", [])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.shutdown()

@@ -94,6 +94,38 @@ def test_fields_on_chat_and_completions_stream_and_not(qwen3_server: Server) -> 
         ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "regexp"),
         ({"structured_outputs": {"regex": "(("}}, "structured_outputs", "regex"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": False},
+                }
+            },
+            "response_format",
+            "schema is false",
+        ),
+        ({"structured_outputs": {"json": False}}, "structured_outputs", "json is false"),
+        (
+            {"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " *"}},
+            "structured_outputs.whitespace_pattern",
+            "whitespace_pattern is not supported",
+        ),
+        (
+            {"guided_json": {"type": "object"}, "guided_whitespace_pattern": " *"},
+            "guided_whitespace_pattern",
+            "guided_whitespace_pattern is not supported",
+        ),
+        ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
+        ({"guided_json": False}, "guided_json", "json is false"),
+        ({"structured_outputs": '{"json": {}}'}, "structured_outputs", "must be an object"),
+        ({"structured_outputs": [{"json": {}}]}, "structured_outputs", "must be an object"),
+        ({"structured_outputs": {"json": "{nope"}}, "structured_outputs", "JSON schema"),
+        ({"structured_outputs": {"json": {}, "json_object": 1}}, "structured_outputs", "one"),
+        (
+            {"structured_outputs": {"json": {}, "disable_fallback": "no"}},
+            "structured_outputs",
+            "boolean",
+        ),
         ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "backend"),
     ],  # fmt: skip
 )
@@ -110,3 +142,16 @@ def test_invalid_constraints_are_400_naming_the_field(
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert fake_app.engine.running() == []
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_true_json_schema_is_any_json(fake_app: InProcessApp, path: str) -> None:
+    """JSON Schema's `true` accepts any value: the request is taken (as the empty schema)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": True}}
+    body: dict[str, Any] = {"max_tokens": 2, "response_format": schema}
+    if path == "/v1/completions":
+        body["prompt"] = "x"
+    else:
+        body["messages"] = [{"role": "user", "content": "x"}]
+    response = fake_app.post(path, body)
+    assert response.status_code == 200, response.text

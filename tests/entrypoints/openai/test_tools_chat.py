@@ -171,6 +171,31 @@ def test_tool_request_errors(fake_app_factory: Any) -> None:
         assert response.json()["error"]["param"].startswith("tool_choice")
 
 
+@pytest.mark.parametrize(
+    "parameters",
+    [{"type": "nope"}, {"type": "object", "properties": 5},
+     {"type": "object", "properties": {"a": {"type": "object", "minProperties": "x"}}}],
+)  # fmt: skip
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_a_tool_whose_parameters_are_not_a_json_schema_is_a_400_naming_tools(
+    fake_app_factory: Any, parameters: dict[str, Any], tool_choice: str
+) -> None:
+    """The grammar of "required" or a named function is made from the tools' parameters; a
+    schema it cannot compile is the `tools` entry's fault, not structured_outputs'."""
+    app = fake_app_factory(tokenizer="qwen3")
+    bad = {"type": "function", "function": {"name": "bad", "parameters": parameters}}
+    choice: Any = tool_choice
+    if tool_choice == "named":
+        choice = {"type": "function", "function": {"name": "bad"}}
+    body = {"messages": MESSAGES, "tools": [TOOLS[0], bad], "tool_choice": choice}
+    response = app.post("/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools.1.function.parameters"
+    assert "tools.1.function.parameters" in error["message"]
+    assert "structured_outputs" not in error["message"]
+
+
 def test_tools_and_tool_messages_rendered_by_the_template(fake_app_factory: Any) -> None:
     """The tools reach the template (Qwen3's lists them in its system part); an assistant's
     tool_calls (arguments as OpenAI's JSON text) and the tool's answer render as the
