@@ -116,10 +116,26 @@ class SamplingFields(RequestModel):
     functions: list[Any] | None = None
     function_call: Any = None
     logits_processors: Any = None
+    # vLLM request extras pagedserve does not implement: a 400 naming the one given (unless
+    # it has its no-op value), never silently ignored.
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    request_id: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    prompt_embeds: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+    documents: Any = None
 
 
 UNSUPPORTED_FIELDS = (
     "tools", "tool_choice", "functions", "function_call", "logits_processors",
+    "use_beam_search", "length_penalty", "request_id", "return_tokens_as_token_ids",
+    "return_token_ids", "prompt_embeds", "kv_transfer_params", "vllm_xargs",
+    "mm_processor_kwargs", "media_io_kwargs", "documents",
 )  # fmt: skip
 
 

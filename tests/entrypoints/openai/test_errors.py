@@ -124,6 +124,39 @@ def test_unimplemented_features_are_400_not_ignored(
     assert error["param"] == param
 
 
+_VLLM_EXTRAS = {  # vLLM request extras pagedserve does not implement: value, no-op value
+    "use_beam_search": (True, False),
+    "length_penalty": (0.5, 1.0),
+    "request_id": ("mine-1", None),
+    "return_tokens_as_token_ids": (True, False),
+    "return_token_ids": (True, False),
+    "prompt_embeds": ("AAAA", None),
+    "kv_transfer_params": ({"do_remote_decode": True}, {}),
+    "vllm_xargs": ({"x": 1}, {}),
+    "mm_processor_kwargs": ({"num_crops": 4}, {}),
+    "media_io_kwargs": ({"video": {"num_frames": 4}}, {}),
+    "documents": ([{"title": "t", "text": "x"}], []),
+}
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("name", sorted(_VLLM_EXTRAS))
+def test_unimplemented_vllm_extras_are_400_naming_them(
+    fake_app: InProcessApp, route: str, name: str
+) -> None:
+    """vLLM users send these; they were silently ignored (status 200, the extra not applied).
+    Their no-op values (what a client may send by default) still answer 200."""
+    value, no_op = _VLLM_EXTRAS[name]
+    base: dict[str, Any] = {"max_tokens": 2}
+    if route == "/v1/completions":
+        base["prompt"] = "x"
+    else:
+        base["messages"] = [{"role": "user", "content": "x"}]
+    error = assert_error(fake_app.post(route, {**base, name: value}), 400, name)
+    assert error["param"] == name
+    assert fake_app.post(route, {**base, name: no_op}).status_code == 200
+
+
 def test_no_op_values_of_unimplemented_fields_are_fine(fake_app: InProcessApp) -> None:
     """What clients send by default asks for nothing and must keep working."""
     no_ops = {"response_format": {"type": "text"}, "tools": [], "logits_processors": []}
