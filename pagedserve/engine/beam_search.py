@@ -43,6 +43,58 @@ class _BeamSearchInstance:
     done: bool = False
 
 
+class BeamSearch:
+    """Beam search for some prompts, driven one step at a time by the caller, who runs each
+    step's beams as one-token requests (synchronously offline, `beam_search`; with asyncio in
+    the server):
+
+        search = BeamSearch(prompts, params, eos_token_ids, max_model_len)
+        while beams := search.pending():  # token ids (prompt included) of each running beam
+            search.advance(next_logprobs_of(beams))  # one dict per beam, as BeamStepFn's
+        outputs = search.outputs()
+
+    The scoring is `beam_search`'s, below."""
+
+    def __init__(
+        self,
+        prompts: Sequence[list[int]],
+        params: BeamSearchParams,
+        eos_token_ids: Sequence[int],
+        max_model_len: int,
+    ) -> None:
+        self.params = params
+        self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.instances = [
+            _BeamSearchInstance(
+                len(prompt),
+                min(params.max_tokens, max_model_len - len(prompt)),
+                [BeamSearchSequence(list(prompt), [])],
+            )
+            for prompt in prompts
+        ]
+        self._running: list[_BeamSearchInstance] = []
+
+    def pending(self) -> list[list[int]]:
+        """The token ids of every running beam, all prompts' in one list; [] once done."""
+        self._running = [instance for instance in self.instances if not instance.done]
+        return [beam.tokens for instance in self._running for beam in instance.beams]
+
+    def advance(self, next_logprobs: list[dict[int, Logprob]]) -> None:
+        """Apply one step: `next_logprobs[i]` holds the next-token candidates of the i-th beam
+        of the last `pending()` (at least its 2 * beam_width most likely, with ranks)."""
+        start = 0
+        for instance in self._running:
+            end = start + len(instance.beams)
+            _advance(instance, next_logprobs[start:end], self.params, self.eos)
+            start = end
+        if start != len(next_logprobs):
+            raise ValueError(f"{len(next_logprobs)} logprob entries for {start} beams")
+
+    def outputs(self) -> list[BeamSearchOutput]:
+        """The best `beam_width` sequences of each prompt, best first (after the last step)."""
+        return [_output(instance, self.eos) for instance in self.instances]
+
+
 def beam_search(
     step: BeamStepFn,
     prompts: Sequence[list[int]],
@@ -65,24 +117,10 @@ def beam_search(
     always runs to max_tokens). vLLM differs in its score's length, prompt + generated
     tokens without EOS (transformers before 4.38), and in finishing every EOS candidate.
     """
-    eos = frozenset(() if params.ignore_eos else eos_token_ids)
-    instances = [
-        _BeamSearchInstance(
-            len(prompt),
-            min(params.max_tokens, max_model_len - len(prompt)),
-            [BeamSearchSequence(list(prompt), [])],
-        )
-        for prompt in prompts
-    ]
-    while running := [instance for instance in instances if not instance.done]:
-        beams = [beam for instance in running for beam in instance.beams]
-        next_logprobs = step([beam.tokens for beam in beams])
-        start = 0
-        for instance in running:
-            end = start + len(instance.beams)
-            _advance(instance, next_logprobs[start:end], params, eos)
-            start = end
-    return [_output(instance, eos) for instance in instances]
+    search = BeamSearch(prompts, params, eos_token_ids, max_model_len)
+    while beams := search.pending():
+        search.advance(step(beams))
+    return search.outputs()
 
 
 def _advance(

@@ -116,10 +116,11 @@ class SamplingFields(RequestModel):
     functions: list[Any] | None = None
     function_call: Any = None
     logits_processors: Any = None
+    # Beam search (vLLM's extras; serving_beam.py): n is the beam width.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
     # vLLM request extras pagedserve does not implement: a 400 naming the one given (unless
     # it has its no-op value), never silently ignored.
-    use_beam_search: Any = None
-    length_penalty: Any = None
     request_id: Any = None
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
@@ -133,7 +134,7 @@ class SamplingFields(RequestModel):
 
 UNSUPPORTED_FIELDS = (
     "tools", "tool_choice", "functions", "function_call", "logits_processors",
-    "use_beam_search", "length_penalty", "request_id", "return_tokens_as_token_ids",
+    "request_id", "return_tokens_as_token_ids",
     "return_token_ids", "prompt_embeds", "kv_transfer_params", "vllm_xargs",
     "mm_processor_kwargs", "media_io_kwargs", "documents",
 )  # fmt: skip

@@ -123,8 +123,6 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "logits_processors": (None, []),
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1.0),
     "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
     "kv_transfer_params": (None, {}),
@@ -142,8 +140,6 @@ _WHY_UNSUPPORTED = {
     "function_call": "(OpenAI's deprecated form of tool_choice) is not implemented; use "
     "tool_choice",
     "logits_processors": "is not implemented by pagedserve yet (custom logits processors)",
-    "use_beam_search": "is not implemented in pagedserve's server yet (offline: LLM.beam_search)",
-    "length_penalty": "applies to beam search, which pagedserve's server does not implement yet",
     "request_id": "(vLLM's caller-chosen request id) is not implemented by pagedserve yet",
     "return_tokens_as_token_ids": "is not implemented by pagedserve yet",
     "return_token_ids": "is not implemented by pagedserve yet",

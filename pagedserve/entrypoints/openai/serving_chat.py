@@ -43,6 +43,7 @@ from .serving import (
     stream_end,
     usage_info,
 )
+from .serving_beam import beam_search_outputs, beam_search_params, check_beam_search
 from .serving_logprobs import chat_logprobs, check_prompt_logprobs, prompt_logprobs_json
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class OpenAIServingChat:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         check_prompt_logprobs(request)
         check_tool_request(request, self.enable_auto_tools, self.tool_parser)
+        check_beam_search(request)
         text, token_ids = await asyncio.to_thread(  # off the event loop, as for completions
             chat_prompt,
             self.tokenizer,
@@ -146,6 +148,12 @@ class OpenAIServingChat:
         apply_tool_params(request, params, self.enable_auto_tools and bool(self.tool_parser))
         request_id = random_id("chatcmpl")
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        if request.use_beam_search:
+            beam = beam_search_params(request, max_tokens, defaults)
+            [final] = await beam_search_outputs(
+                self.engine, request_id, [prompt], beam, raw_request
+            )
+            return self._response(request, request_id, int(time.time()), final)
         try:
             streams = add_requests(self.engine, request_id, [prompt], params)
         except InvalidRequestError as e:  # the engine's field names, in chat's words

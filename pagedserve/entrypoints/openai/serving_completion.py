@@ -41,6 +41,7 @@ from .serving import (
     stream_end,
     usage_info,
 )
+from .serving_beam import beam_search_outputs, beam_search_params, check_beam_search
 from .serving_logprobs import check_prompt_logprobs, completion_logprobs, prompt_logprobs_json
 
 
@@ -81,6 +82,7 @@ class OpenAIServingCompletion:
         if request.stream and request.best_of is not None and request.best_of != request.n:
             raise OpenAIError(400, "best_of other than n cannot be streamed", "best_of")
         check_prompt_logprobs(request)
+        check_beam_search(request)
         # Tokenizing can take long (a huge prompt): keep it off the event loop, which serves
         # every other request, and stop it when the client leaves.
         prompts = await run_off_loop(raw_request, functools.partial(self._prompts, request))
@@ -102,6 +104,10 @@ class OpenAIServingCompletion:
             request, max_tokens, request.logprobs, request.best_of, prompt_logprobs, defaults
         )
         request_id = random_id("cmpl")
+        if request.use_beam_search:
+            beam = beam_search_params(request, max_tokens, defaults)
+            outputs = await beam_search_outputs(self.engine, request_id, prompts, beam, raw_request)
+            return self._response(request, request_id, int(time.time()), outputs)
         streams = add_requests(self.engine, request_id, prompts, params)
         created = int(time.time())
         watcher = DisconnectWatcher(raw_request, self.engine, streams)

@@ -125,8 +125,6 @@ def test_unimplemented_features_are_400_not_ignored(
 
 
 _VLLM_EXTRAS = {  # vLLM request extras pagedserve does not implement: value, no-op value
-    "use_beam_search": (True, False),
-    "length_penalty": (0.5, 1.0),
     "request_id": ("mine-1", None),
     "return_tokens_as_token_ids": (True, False),
     "return_token_ids": (True, False),
