@@ -9,6 +9,7 @@ From then on the runner only runs steps. The functions fill in the runner's `mod
 """
 
 import logging
+import time
 
 import torch
 
@@ -69,6 +70,11 @@ def load_model(runner: ModelRunner) -> None:
     )
     _check_kv_cache_dtype(runner)
     torch.manual_seed(model_config.seed)
+    # Start-up says what it is doing (loading can take minutes on a large checkpoint).
+    logger.info(
+        "loading weights of %s (%s, %s)", model_config.model, runner.model_dtype, runner.device
+    )
+    start = time.perf_counter()
     runner.model = load_checkpoint(
         model_config.model,
         model_config.hf_config,
@@ -82,6 +88,12 @@ def load_model(runner: ModelRunner) -> None:
     runner.attention_layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
     for layer in runner.attention_layers:
         layer.backend = runner.backend
+    num_bytes = sum(t.numel() * t.element_size() for t in runner.model.state_dict().values())
+    logger.info(
+        "loaded weights in %.1f s (%.1f MiB on this rank)",
+        time.perf_counter() - start,
+        num_bytes / 2**20,
+    )
 
 
 def _check_kv_cache_dtype(runner: ModelRunner) -> None:
@@ -145,6 +157,8 @@ def determine_num_blocks(runner: ModelRunner) -> int:
 
 def _profile_num_blocks(runner: ModelRunner) -> int:
     """Run the largest step once, measure peak memory, give the rest to KV blocks."""
+    logger.info("profiling memory with a step of %d tokens",
+                runner.config.scheduler_config.max_num_batched_tokens)  # fmt: skip
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(runner.device)
     num_tokens = runner.config.scheduler_config.max_num_batched_tokens
@@ -191,6 +205,7 @@ def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
             runner.block_size,
             runner.device,
         )
+        logger.info("capturing CUDA graphs for decode batches (--enforce-eager skips this)")
         _capture(runner, runner.cuda_graphs)
     if runner.device.type == "cuda":
         warm_up(runner, num_blocks)

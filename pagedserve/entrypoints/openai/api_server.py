@@ -319,6 +319,7 @@ def run_server(args: argparse.Namespace) -> None:
     except (ValueError, OSError) as e:
         raise SystemExit(f"pagedserve serve: error: {e}") from None
     metrics = EngineMetrics(args.served_model_name[0])
+    logger.info("starting the engine for %s; the server answers once it is ready", args.model)
     try:
         engine = AsyncLLMEngine.from_engine_args(
             engine_args_from_namespace(args),
