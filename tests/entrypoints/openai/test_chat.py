@@ -169,3 +169,12 @@ def test_chat_logprob_bytes_of_split_characters(fake_app: Any, sse: Any) -> None
         for entry in c["logprobs"]["content"]
     ]  # fmt: skip
     assert [bytes(entry["bytes"]) for entry in streamed] == raw
+
+
+def test_start_up_says_what_it_is_doing(server: Any) -> None:
+    """Start-up was silent for tens of seconds; its log names each phase, in order."""
+    log = server.log()
+    phases = ["starting the engine for", "loading weights of", "loaded weights in", "serving"]
+    positions = [log.find(phase) for phase in phases]
+    assert all(p >= 0 for p in positions), log
+    assert positions == sorted(positions), log
