@@ -1,4 +1,4 @@
-"""The `pagedserve` command line: `generate` (offline) and `serve` (OpenAI-compatible server)."""
+"""The `pagedserve` command line: generate, serve, and the clients chat and complete."""
 
 import argparse
 import logging
@@ -11,6 +11,7 @@ from pagedserve.entrypoints.openai.cli_args import (
     add_engine_args,
     add_server_args,
 )
+from pagedserve.entrypoints.openai.client_cli import add_client_commands
 from pagedserve.version import __version__
 
 # `pagedserve generate`'s own defaults, for what neither a flag nor the model's
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_server_args(serve)
     serve.set_defaults(func=_serve)
+    add_client_commands(sub)
     return parser
 
 
