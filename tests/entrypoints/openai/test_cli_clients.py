@@ -217,3 +217,12 @@ def test_a_refused_request_is_reported(greedy_server: Any) -> None:
     done = pagedserve("complete", "--url", url, "--model-name", "m", "-q", "x")  # no key
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "the server answered 401" in done.stderr
+
+
+def test_without_openai_the_error_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve.entrypoints.cli import main
+
+    monkeypatch.setitem(sys.modules, "openai", None)  # `import openai` raises ImportError
+    with pytest.raises(SystemExit) as exited:
+        main(["chat", "-q", "hi"])
+    assert "pip install 'pagedserve[client]'" in str(exited.value.code)
