@@ -1,4 +1,4 @@
-"""The `pagedserve` command line: `generate` (offline) and `serve` (OpenAI-compatible server)."""
+"""The `pagedserve` command line: generate, serve, chat, complete and run-batch."""
 
 import argparse
 import logging
@@ -9,8 +9,10 @@ from pagedserve.entrypoints.argv import normalize_argv
 from pagedserve.entrypoints.openai.cli_args import (
     add_config_flag,
     add_engine_args,
+    add_run_batch_args,
     add_server_args,
 )
+from pagedserve.entrypoints.openai.client_cli import add_client_commands
 from pagedserve.version import __version__
 
 # `pagedserve generate`'s own defaults, for what neither a flag nor the model's
@@ -98,6 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_server_args(serve)
     serve.set_defaults(func=_serve)
+    add_client_commands(sub)
+    batch = sub.add_parser(
+        "run-batch",
+        help="run an OpenAI batch file (JSON lines) with the engine in process",
+        description="Run the requests of an OpenAI batch file (/v1/chat/completions and "
+        "/v1/completions lines) through the server's request handling, with no HTTP server; "
+        "write one result line per input line.",
+    )
+    add_run_batch_args(batch)
+    add_config_flag(batch)
+    add_engine_args(batch.add_argument_group("engine options"))
+    batch.set_defaults(func=_run_batch)
     return parser
 
 
@@ -125,6 +139,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     run_server(args)
     return 0
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    check_local_model(args.model, "run-batch")
+    from pagedserve.entrypoints.openai.run_batch import main as run_batch_main
+
+    return run_batch_main(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -202,6 +202,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
+    """`pagedserve run-batch`'s own flags (vLLM's names); the engine's are added apart."""
+    parser.add_argument(
+        "-i", "--input-file", required=True,
+        help="the batch file: one JSON request per line (a local path; URLs are refused)",
+    )  # fmt: skip
+    parser.add_argument(
+        "-o", "--output-file", required=True,
+        help="where to write one JSON result per input line, in input order (a local path)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--served-model-name", nargs="+", default=None,
+        help="model name(s) that bodies may give as `model` (default: the --model argument, "
+        "stories260k for the bundled model)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chat-template", default=None,
+        help="Jinja chat template: a file, or the template itself (default: the tokenizer's)",
+    )  # fmt: skip
+
+
 def resolve_server_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on other flags or the environment."""
     if getattr(args, "model_tag", None):
