@@ -53,8 +53,11 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         sharing_group: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Order under the "priority" scheduling policy: lower runs first (vLLM's meaning).
+        self.priority = priority
         # The user request this one is a sequence of (n > 1): siblings share prompt blocks
         # even with prefix caching off.
         self.sharing_group = sharing_group

@@ -134,6 +134,7 @@ class EngineCoreClient:
                         r.prompt_token_ids,
                         r.sampling_params,
                         r.sharing_group,
+                        r.priority,
                     )
                     for r in requests
                 ]

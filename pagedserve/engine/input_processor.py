@@ -33,9 +33,12 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """max_logprobs: most logprobs or prompt_logprobs a request may ask for (-1: the
-        vocabulary size)."""
+        vocabulary size). scheduling_policy: the engine's (SchedulerConfig), which decides
+        whether a request may have a priority (`check_priority`)."""
+        self.scheduling_policy = scheduling_policy
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -85,6 +88,27 @@ class InputProcessor:
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
         )
         return ProcessedPrompt(text, token_ids, resolved)
+
+    def check_priority(self, priority: int) -> None:
+        """Check a request's priority (vLLM's: lower is handled earlier; any int64). Raises
+        InvalidRequestError (param "priority") when it is not an int, is out of range, or is
+        non-zero while the engine's scheduling policy is not "priority" (as vLLM's "Got
+        priority ... but Priority scheduling is not enabled")."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(
+                f"priority must be an int, got {type(priority).__name__}", "priority"
+            )
+        if not -(2**63) <= priority < 2**63:
+            raise InvalidRequestError(
+                f"priority ({priority}) must be in [-2**63, 2**63)", "priority"
+            )
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"got priority {priority} but priority scheduling is not enabled: start the "
+                f"engine with scheduling_policy='priority' (--scheduling-policy priority) or "
+                f"leave priority at 0",
+                "priority",
+            )
 
     def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """The output tokens a request may generate: what the context leaves after the prompt
