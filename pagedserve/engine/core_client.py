@@ -135,6 +135,7 @@ class EngineCoreClient:
                         r.sampling_params,
                         r.sharing_group,
                         r.priority,
+                        r.cache_salt,
                     )
                     for r in requests
                 ]

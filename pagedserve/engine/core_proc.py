@@ -8,7 +8,7 @@ its fields in order):
         AddRequests     ["add", [EngineCoreRequest, ...]]
             EngineCoreRequest: request_id, prompt_token_ids, sampling_params (the
                 SamplingParams dataclass by field name, max_tokens resolved), sharing_group,
-                priority
+                priority, cache_salt
         AbortRequests   ["abort", [request_id, ...]]    free now; the caller has forgotten them
         FinishRequests  ["finish", [request_id, ...]]   a stop string matched: FINISHED_STOPPED
         Shutdown        ["shutdown"]
@@ -177,6 +177,7 @@ class _CoreLoop:
                         now,
                         sharing_group=r.sharing_group,
                         priority=r.priority,
+                        cache_salt=r.cache_salt,
                     )
                     try:
                         self.core.add_request(request)

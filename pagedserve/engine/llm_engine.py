@@ -86,15 +86,26 @@ def child_requests(
     params: SamplingParams,
     arrival_time: float | None = None,
     priority: int = 0,
+    cache_salt: str | None = None,
 ) -> list[Request]:
     """The engine-core requests of one user request (`params` resolved by the
-    InputProcessor: max_tokens an int), each with its `priority`: one, or `best_of` (default
+    InputProcessor: max_tokens an int), each with its `priority` and `cache_salt`: one, or
+    `best_of` (default
     n) named "{i}_{request_id}" (seeded children get seed + i, as in vLLM). They share the
     prompt's full blocks through the prefix cache. With best_of > n the children compute the
     sampled token's logprob, which ranks them."""
     num_children = params.best_of or params.n
     if num_children == 1:
-        return [Request(request_id, prompt_token_ids, params, arrival_time, priority=priority)]
+        return [
+            Request(
+                request_id,
+                prompt_token_ids,
+                params,
+                arrival_time,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+        ]
     logprobs = params.logprobs
     if num_children > params.n and logprobs is None:
         logprobs = 0
@@ -111,6 +122,7 @@ def child_requests(
                 arrival_time,
                 sharing_group=request_id,
                 priority=priority,
+                cache_salt=cache_salt,
             )
         )
     return children
@@ -172,6 +184,7 @@ def register_request(
         processed.sampling_params,
         arrival_time,
         priority,
+        processed.cache_salt,
     )
     check_child_ids_free(request_id, children, output_processor.child_to_parent)
     output_processor.add_request(

@@ -4,7 +4,7 @@ parameters, SSE framing and disconnect handling (logprob formats: serving_logpro
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -228,12 +228,17 @@ def add_requests(
     prompts: list[PromptType],
     params: SamplingParams,
     priority: int = 0,
+    cache_salt: str | None = None,
 ) -> list[RequestStream]:
-    """Send one engine request per prompt, each with `priority`; if one is refused, abort
-    those already sent."""
+    """Send one engine request per prompt, each with `priority` and `cache_salt` (vLLM's
+    request fields; the engine checks them: InvalidRequestError naming the field); if one is
+    refused, abort those already sent."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
+            if cache_salt is not None:
+                prompt = {**(prompt if isinstance(prompt, Mapping) else {"prompt": prompt})}
+                prompt["cache_salt"] = cache_salt
             streams.append(engine.add_request(f"{request_id}-{i}", prompt, params, priority))
     except BaseException:
         for stream in streams:

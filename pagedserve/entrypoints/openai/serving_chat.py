@@ -147,7 +147,9 @@ class OpenAIServingChat:
         request_id = random_id("chatcmpl")
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         try:
-            streams = add_requests(self.engine, request_id, [prompt], params, request.priority)
+            streams = add_requests(
+                self.engine, request_id, [prompt], params, request.priority, request.cache_salt
+            )
         except InvalidRequestError as e:  # the engine's field names, in chat's words
             if e.param == "prompt":
                 e.param = "messages"

@@ -102,7 +102,9 @@ class OpenAIServingCompletion:
             request, max_tokens, request.logprobs, request.best_of, prompt_logprobs, defaults
         )
         request_id = random_id("cmpl")
-        streams = add_requests(self.engine, request_id, prompts, params, request.priority)
+        streams = add_requests(
+            self.engine, request_id, prompts, params, request.priority, request.cache_salt
+        )
         created = int(time.time())
         watcher = DisconnectWatcher(raw_request, self.engine, streams)
         if request.stream:
