@@ -27,6 +27,8 @@ MODEL_IMPLS = ("auto", "pagedserve", "vllm", "transformers")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # vLLM's `--kv-cache-dtype` values that we support: "fp8" and "fp8_e4m3" are e4m3 (float8_e4m3fn).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's `--scheduling-policy` values (see request_queue.py).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's; also InputProcessor's default
 # vLLM's `--structured-outputs-config.backend` values that we have (issue 17).
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
@@ -291,8 +293,20 @@ class SchedulerConfig:
         "then the one the step before samples, taken on the device)",
         default_text="on for CUDA devices",
     )
+    scheduling_policy: str = option(
+        "fcfs",
+        help="order of the waiting requests: fcfs (arrival) or priority (a request's priority, "
+        "lower first, then arrival; when blocks run out the worst running request is "
+        "preempted first)",
+        cli={"choices": SCHEDULING_POLICIES},
+    )
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

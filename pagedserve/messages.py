@@ -73,12 +73,15 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     """One engine-core request to add (vLLM's `EngineCoreRequest`). `sampling_params` has
-    max_tokens resolved; `sharing_group` as in `Request` (parallel sampling)."""
+    max_tokens resolved; `sharing_group` (parallel sampling), `priority` (lower is
+    scheduled earlier) and `cache_salt` (prefix-cache isolation) as in `Request`."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     sharing_group: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True, gc=False):

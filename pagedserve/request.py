@@ -53,8 +53,15 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         sharing_group: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # Order under the "priority" scheduling policy: lower runs first (vLLM's meaning).
+        self.priority = priority
+        # Salts the prefix-cache hashes (vLLM's cache_salt): only requests with the same salt
+        # (or none) share blocks.
+        self.cache_salt = cache_salt
         # The user request this one is a sequence of (n > 1): siblings share prompt blocks
         # even with prefix caching off.
         self.sharing_group = sharing_group

@@ -1,6 +1,5 @@
 """Scheduler: continuous batching under a token budget, with prefix hits and preemption."""
 
-from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
@@ -9,6 +8,7 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.messages import EngineCoreOutput
 from pagedserve.request import FINISH_REASONS, Request, RequestStatus
+from pagedserve.request_queue import create_request_queue, select_victim
 from pagedserve.step import (
     PLACEHOLDER_TOKEN_ID,
     GrammarOutput,
@@ -32,6 +32,14 @@ class _StepPlan:
         self.scheduled.append((request, num_new_tokens, new_block_ids))
         self.token_budget -= num_new_tokens
 
+    def remove(self, request: Request) -> None:
+        """Unplan a request (preempted after it was planned): its tokens return to the budget."""
+        for i, (planned, num_new_tokens, _) in enumerate(self.scheduled):
+            if planned is request:
+                del self.scheduled[i]
+                self.token_budget += num_new_tokens
+                return
+
 
 class Scheduler:
     """Decides, every step, which requests run and how many tokens each feeds the model.
@@ -39,8 +47,9 @@ class Scheduler:
     There are no phases: running requests (oldest first) catch up their uncomputed tokens,
     then waiting requests are admitted, each first taking its prefix-cache hits. A prompt
     longer than the remaining budget is chunked. When a running request cannot get a block,
-    the newest running request is preempted: its blocks are freed and it is recomputed later
-    (its tokens so far are kept). `num_computed_tokens` advances when tokens are scheduled,
+    a running request is preempted (the newest; with the "priority" policy the worst by
+    priority, then arrival: see `request_queue`): its blocks are freed and it is recomputed
+    later (its tokens so far are kept). `num_computed_tokens` advances when tokens are scheduled,
     as in vLLM v1. Imports no torch.
 
     Structured outputs (`structured_output_manager`): a constrained request waits, skipped,
@@ -68,7 +77,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = create_request_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the workers at the next step
         self.num_preemptions_total = 0
@@ -123,7 +132,7 @@ class Scheduler:
             self.structured_output_manager.init_request(request)
         self.requests[request.request_id] = request
         self._num_needing_tokens += _needs_output_tokens(request)
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string); frees their blocks."""
@@ -135,7 +144,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
-                self.waiting.remove(request)
+                self.waiting.remove_request(request)
             request.status = status
             self._free(request)
 
@@ -235,7 +244,11 @@ class Scheduler:
                 i += 1
                 continue
             while (new_block_ids := self.kv_cache.allocate_slots(request, num_new_tokens)) is None:
-                victim = self.running.pop()  # the newest request yields its blocks first
+                victim = select_victim(self.config.scheduling_policy, self.running)
+                if self.running.index(victim) < i:  # priority: one this loop went past
+                    i -= 1
+                    plan.remove(victim)
+                self.running.remove(victim)
                 self._preempt(victim)
                 plan.num_preempted += 1
                 if victim is request:
@@ -248,19 +261,19 @@ class Scheduler:
         try:
             self._admit_waiting(plan, compiling)
         finally:
-            self.waiting.extendleft(reversed(compiling))  # their places in the queue
+            self.waiting.prepend_requests(compiling)  # their places in the queue
 
     def _admit_waiting(self, plan: _StepPlan, compiling: list[Request]) -> None:
         while (
             self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting.peek_request()
             manager = self.structured_output_manager
             if manager is not None and not manager.is_ready(request):
-                compiling.append(self.waiting.popleft())
+                compiling.append(self.waiting.pop_request())
                 continue
             if request.structured_output is not None and request.structured_output.failed:
-                self.waiting.popleft()
+                self.waiting.pop_request()
                 self._fail_request(request)
                 continue
             # A request preempted with a token in flight gets it (update_from_output) before
@@ -274,8 +287,8 @@ class Scheduler:
                 num_new_tokens = plan.token_budget
             new_block_ids = self.kv_cache.allocate_slots(request, num_new_tokens, hits)
             if new_block_ids is None:
-                return  # waits for blocks; FCFS, so nobody behind it jumps the queue
-            self.waiting.popleft()
+                return  # waits for blocks; nobody behind it in the queue jumps it
+            self.waiting.pop_request()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -320,7 +333,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -364,7 +377,7 @@ class Scheduler:
                 if request.status == RequestStatus.RUNNING:
                     self.running.remove(request)
                 else:
-                    self.waiting.remove(request)
+                    self.waiting.remove_request(request)
                 request.status = status
                 self._free(request)
             outputs.append(

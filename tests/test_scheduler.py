@@ -21,9 +21,13 @@ def make_scheduler(
     max_model_len: int = 256,
     caching: bool = True,
     sliding_window: int | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
     config = SchedulerConfig(
-        max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True
+        max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=True,
+        scheduling_policy=scheduling_policy,
     )
     kv_cache = KVCacheManager(num_blocks, block_size, caching, sliding_window)
     return Scheduler(config, kv_cache, max_model_len)
@@ -238,6 +242,7 @@ class FakeModel:
     caching=st.booleans(),
     pipelined=st.booleans(),
     sliding_window=st.sampled_from([None, None, 1, 3, 8]),
+    policy=st.sampled_from(["fcfs", "priority"]),
 )
 def test_random_operations_keep_invariants(
     seed: int,
@@ -248,6 +253,7 @@ def test_random_operations_keep_invariants(
     caching: bool,
     pipelined: bool,
     sliding_window: int | None,
+    policy: str,
 ) -> None:
     """Random add / step / abort sequences: invariants hold after every operation, every
     request ends, and at the end every block is free. `pipelined` runs the steps as async
@@ -255,11 +261,13 @@ def test_random_operations_keep_invariants(
     every request must still have been fed exactly its own tokens at every position, and
     every key a new token attends to must hold its request's K/V (FakeModel's KV play). With
     a `sliding_window`, blocks out of the window are freed as requests advance: a request
-    then never holds more than `max_blocks_held` blocks, and generations run longer."""
+    then never holds more than `max_blocks_held` blocks, and generations run longer. With
+    the "priority" `policy` requests get random priorities: preemption then takes any running
+    request, also one already planned in the step."""
     rng = random.Random(seed)
     max_model_len = num_blocks * block_size
     scheduler = make_scheduler(
-        num_blocks, block_size, max_num_seqs, budget, max_model_len, caching, sliding_window
+        num_blocks, block_size, max_num_seqs, budget, max_model_len, caching, sliding_window, policy
     )
     kv_cache = scheduler.kv_cache
     model = FakeModel(rng, scheduler, sliding_window)
@@ -307,7 +315,8 @@ def test_random_operations_keep_invariants(
                         > kv_cache.block_pool.num_usable_blocks
                     ):
                         continue
-                request = Request(f"r{op}", prompt, params, sharing_group=group)
+                priority = rng.randrange(3) if policy == "priority" else 0
+                request = Request(f"r{op}", prompt, params, sharing_group=group, priority=priority)
                 scheduler.add_request(request)
                 requests.append(request)
         elif choice < 0.4 and requests:

@@ -137,6 +137,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _FROM_CONFIG
     enable_chunked_prefill: bool = _FROM_CONFIG
     async_scheduling: bool | None = _FROM_CONFIG
+    scheduling_policy: str = _FROM_CONFIG
     tensor_parallel_size: int = _FROM_CONFIG
     pipeline_parallel_size: int = _FROM_CONFIG
     data_parallel_size: int = _FROM_CONFIG

@@ -128,7 +128,11 @@ class AsyncLLMEngine:
             self._tasks.append(asyncio.create_task(self._log_stats(), name="engine-stats"))
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes (kind: `sampling_params.output_kind`).
 
@@ -137,7 +141,7 @@ class AsyncLLMEngine:
         completions have finish_reason "abort". Closing (`aclose`) or cancelling the iterator
         early aborts the request and frees its KV blocks before that call returns.
         """
-        stream = self.add_request(request_id, prompt, sampling_params)
+        stream = self.add_request(request_id, prompt, sampling_params, priority)
         # aclosing: the inner generator's cleanup (the abort) runs now, not when it is
         # garbage-collected some loop iterations later.
         async with contextlib.aclosing(self.iterate(stream)) as outputs:
@@ -154,10 +158,11 @@ class AsyncLLMEngine:
                 self.abort_request(stream.request_id)
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> RequestStream:
-        """Validate a request and send it to the core; returns its output stream. Raises
-        InvalidRequestError (nothing is sent) or EngineDeadError."""
+        """Validate a request and send it to the core; returns its output stream. `priority`
+        as in `LLMEngine.add_request`. Raises InvalidRequestError (nothing is sent) or
+        EngineDeadError."""
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self.streams:
@@ -174,6 +179,7 @@ class AsyncLLMEngine:
             core_request_id=f"{request_id}@{next(self._core_ids)}",
             sliding_window=self.core.sliding_window,
             max_step_tokens=self.config.scheduler_config.max_num_batched_tokens,
+            priority=priority,
         )
         try:
             self.core.send_add(children)

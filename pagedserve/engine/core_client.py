@@ -134,6 +134,8 @@ class EngineCoreClient:
                         r.prompt_token_ids,
                         r.sampling_params,
                         r.sharing_group,
+                        r.priority,
+                        r.cache_salt,
                     )
                     for r in requests
                 ]

@@ -7,7 +7,8 @@ its fields in order):
     server -> core (PUSH/PULL, "input"), `messages.ToCore`:
         AddRequests     ["add", [EngineCoreRequest, ...]]
             EngineCoreRequest: request_id, prompt_token_ids, sampling_params (the
-                SamplingParams dataclass by field name, max_tokens resolved), sharing_group
+                SamplingParams dataclass by field name, max_tokens resolved), sharing_group,
+                priority, cache_salt
         AbortRequests   ["abort", [request_id, ...]]    free now; the caller has forgotten them
         FinishRequests  ["finish", [request_id, ...]]   a stop string matched: FINISHED_STOPPED
         Shutdown        ["shutdown"]
@@ -175,6 +176,8 @@ class _CoreLoop:
                         r.sampling_params,
                         now,
                         sharing_group=r.sharing_group,
+                        priority=r.priority,
+                        cache_salt=r.cache_salt,
                     )
                     try:
                         self.core.add_request(request)

@@ -11,7 +11,8 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.sampling_params import SamplingParams, is_default_max_tokens
 from pagedserve.structured_output.backend_xgrammar import validate_structured_outputs
 
-# A prompt as vLLM accepts it: text, {"prompt": text}, or {"prompt_token_ids": [...]}.
+# A prompt as vLLM accepts it: text, {"prompt": text}, or {"prompt_token_ids": [...]}; a
+# dict may carry a "cache_salt" (vLLM's TextPrompt / TokensPrompt field).
 PromptType = str | Mapping[str, Any]
 
 
@@ -21,6 +22,7 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     # Resolved: max_tokens an int (never None), the model's EOS ids and bad words' ids filled in
     sampling_params: SamplingParams
+    cache_salt: str | None = None  # the prompt's: only requests with the same salt share blocks
 
 
 class InputProcessor:
@@ -33,9 +35,12 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """max_logprobs: most logprobs or prompt_logprobs a request may ask for (-1: the
-        vocabulary size)."""
+        vocabulary size). scheduling_policy: the engine's (SchedulerConfig), which decides
+        whether a request may have a priority (`check_priority`)."""
+        self.scheduling_policy = scheduling_policy
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -53,7 +58,9 @@ class InputProcessor:
         Raises InvalidRequestError (a ValueError) for a prompt with no tokens (an empty text
         is one token where the tokenizer adds BOS), token ids outside the vocabulary (prompt
         or sampling parameters), a prompt (+ an explicit max_tokens) longer than
-        max_model_len, or more logprobs than max_logprobs."""
+        max_model_len, more logprobs than max_logprobs, or a "cache_salt" that is not a
+        non-empty string (as vLLM's server)."""
+        cache_salt = _cache_salt(prompt)
         # A prompt to be truncated may be as long as it likes.
         text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens is None)
         if not token_ids:
@@ -84,7 +91,28 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
         )
-        return ProcessedPrompt(text, token_ids, resolved)
+        return ProcessedPrompt(text, token_ids, resolved, cache_salt)
+
+    def check_priority(self, priority: int) -> None:
+        """Check a request's priority (vLLM's: lower is handled earlier; any int64). Raises
+        InvalidRequestError (param "priority") when it is not an int, is out of range, or is
+        non-zero while the engine's scheduling policy is not "priority" (as vLLM's "Got
+        priority ... but Priority scheduling is not enabled")."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(
+                f"priority must be an int, got {type(priority).__name__}", "priority"
+            )
+        if not -(2**63) <= priority < 2**63:
+            raise InvalidRequestError(
+                f"priority ({priority}) must be in [-2**63, 2**63)", "priority"
+            )
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"got priority {priority} but priority scheduling is not enabled: start the "
+                f"engine with scheduling_policy='priority' (--scheduling-policy priority) or "
+                f"leave priority at 0",
+                "priority",
+            )
 
     def resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> int:
         """The output tokens a request may generate: what the context leaves after the prompt
@@ -230,3 +258,25 @@ class InputProcessor:
         if check_length:
             check_prompt_chars(self.tokenizer, text, self.max_model_len)
         return list(self.tokenizer.encode(text))
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A prompt's "cache_salt" (None when it has none). Raises InvalidRequestError for one
+    that is not a non-empty string of valid Unicode (vLLM's "Parameter 'cache_salt' must be
+    a non-empty string if provided.")."""
+    if not isinstance(prompt, Mapping) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise InvalidRequestError(
+            f"Parameter 'cache_salt' must be a non-empty string if provided, got {salt!r}",
+            "cache_salt",
+        )
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"cache_salt is not valid Unicode: a lone surrogate at character {e.start}",
+            "cache_salt",
+        ) from None
+    return salt

@@ -66,6 +66,7 @@ def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputP
         vocab_size,
         model_config.eos_token_ids,
         model_config.max_logprobs,
+        config.scheduler_config.scheduling_policy,
     )
     return tokenizer, input_processor, OutputProcessor(tokenizer)
 
@@ -84,15 +85,27 @@ def child_requests(
     prompt_token_ids: list[int],
     params: SamplingParams,
     arrival_time: float | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
 ) -> list[Request]:
     """The engine-core requests of one user request (`params` resolved by the
-    InputProcessor: max_tokens an int): one, or `best_of` (default n) named
-    "{i}_{request_id}" (seeded children get seed + i, as in vLLM). They share the prompt's full
-    blocks through the prefix cache. With best_of > n the children compute the sampled
-    token's logprob, which ranks them."""
+    InputProcessor: max_tokens an int), each with its `priority` and `cache_salt`: one, or
+    `best_of` (default
+    n) named "{i}_{request_id}" (seeded children get seed + i, as in vLLM). They share the
+    prompt's full blocks through the prefix cache. With best_of > n the children compute the
+    sampled token's logprob, which ranks them."""
     num_children = params.best_of or params.n
     if num_children == 1:
-        return [Request(request_id, prompt_token_ids, params, arrival_time)]
+        return [
+            Request(
+                request_id,
+                prompt_token_ids,
+                params,
+                arrival_time,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+        ]
     logprobs = params.logprobs
     if num_children > params.n and logprobs is None:
         logprobs = 0
@@ -108,6 +121,8 @@ def child_requests(
                 child_params,
                 arrival_time,
                 sharing_group=request_id,
+                priority=priority,
+                cache_salt=cache_salt,
             )
         )
     return children
@@ -138,6 +153,7 @@ def register_request(
     core_request_id: str | None = None,
     sliding_window: int | None = None,
     max_step_tokens: int | None = None,
+    priority: int = 0,
 ) -> tuple[ProcessedPrompt, list[Request]]:
     """The caller's side of adding a request, shared by LLMEngine and AsyncLLMEngine:
     tokenize and validate, check that it can fit a cache of `num_blocks` blocks, make its
@@ -148,7 +164,9 @@ def register_request(
     gives each request a fresh one, so that outputs of an aborted request still on their way
     from the core process never reach a new request that reuses its id. `sliding_window`
     (every layer's, else None) and `max_step_tokens` (the step's token budget) bound the
-    blocks a request holds at once (`check_fits_cache`)."""
+    blocks a request holds at once (`check_fits_cache`). `priority`: see
+    `InputProcessor.check_priority`."""
+    input_processor.check_priority(priority)
     processed = input_processor.process(prompt, params)
     max_tokens = processed.sampling_params.max_tokens
     assert max_tokens is not None  # resolved by the input processor
@@ -165,6 +183,8 @@ def register_request(
         processed.prompt_token_ids,
         processed.sampling_params,
         arrival_time,
+        priority,
+        processed.cache_salt,
     )
     check_child_ids_free(request_id, children, output_processor.child_to_parent)
     output_processor.add_request(
@@ -217,9 +237,12 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
-        """Validate and queue a request. Raises InvalidRequestError (a ValueError) for bad
-        input, and when the request could never fit the whole KV cache."""
+        """Validate and queue a request (vLLM's `LLMEngine.add_request`; `priority`: lower is
+        scheduled earlier, non-zero only with scheduling_policy "priority"). Raises
+        InvalidRequestError (a ValueError) for bad input, and when the request could never
+        fit the whole KV cache."""
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         _, children = register_request(
@@ -233,6 +256,7 @@ class LLMEngine:
             arrival_time,
             sliding_window=self.engine_core.sliding_window,
             max_step_tokens=self.config.scheduler_config.max_num_batched_tokens,
+            priority=priority,
         )
         for child in children:
             self.engine_core.add_request(child)

@@ -74,13 +74,17 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         prompts: a string, {"prompt_token_ids": [...]}, or a list of either.
         sampling_params: one for all prompts, or one per prompt (default:
             `get_default_sampling_params()`, the model's generation config's defaults).
-        Raises ValueError on bad input before any request starts.
+        priority: one int per prompt (vLLM's): lower values are scheduled first, and
+            non-zero values need `scheduling_policy="priority"`; default all 0.
+        Raises ValueError on bad input before any request starts (InvalidRequestError,
+        param "priority", for a priority list of another length or a bad value).
         """
         if isinstance(prompts, str | dict):
             prompt_list: list[PromptType] = [prompts]
@@ -92,7 +96,14 @@ class LLM:
                 "prompt",
             )
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm)
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise InvalidRequestError(
+                f"got {len(priorities)} priorities for {len(prompt_list)} prompts; give one "
+                f"per prompt",
+                "priority",
+            )
+        return self._run(prompt_list, params_list, use_tqdm, priorities)
 
     def beam_search(
         self,
@@ -238,15 +249,21 @@ class LLM:
         return params_list
 
     def _run(
-        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids = []
+        if priorities is None:
+            priorities = [0] * len(prompts)
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, priority in zip(prompts, params_list, priorities, strict=True):
                 request_id = str(next(self._request_counter))
                 final = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(request_id, prompt, final)
+                engine.add_request(request_id, prompt, final, priority=priority)
                 request_ids.append(request_id)
         except Exception:
             engine.abort_request(request_ids)  # nothing half-submitted stays behind

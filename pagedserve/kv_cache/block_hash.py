@@ -9,6 +9,16 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = b"pagedserve-root"
 
 
+def root_hash(cache_salt: str | None = None) -> BlockHash:
+    """The parent hash of a request's first block: ROOT_HASH, or with a `cache_salt` (vLLM's
+    request field) a hash of the salt. The salt thus enters the first block's hash only and
+    the chain carries it on: requests with different salts share no block, requests with the
+    same salt (or none) share as usual. Its own prefix keeps it apart from every block hash."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return hashlib.sha256(b"pagedserve-salt:" + cache_salt.encode()).digest()
+
+
 def hash_block_tokens(
     parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b""
 ) -> BlockHash:
@@ -28,10 +38,12 @@ def hash_request_blocks(
     block_size: int,
     known: list[BlockHash],
     extra_keys: bytes = b"",
+    cache_salt: str | None = None,
 ) -> list[BlockHash]:
-    """Extend `known` (hashes of the first full blocks) to every full block of `token_ids`."""
+    """Extend `known` (hashes of the first full blocks) to every full block of `token_ids`;
+    `cache_salt` salts the first block (`root_hash`)."""
     num_full_blocks = len(token_ids) // block_size
-    parent = known[-1] if known else ROOT_HASH
+    parent = known[-1] if known else root_hash(cache_salt)
     for i in range(len(known), num_full_blocks):
         parent = hash_block_tokens(
             parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys

@@ -250,7 +250,9 @@ class KVCacheManager:
         known = self.req_to_block_hashes.setdefault(request.request_id, [])
         # With prefix caching off only siblings may share: their group keys their hashes.
         extra_keys = b"" if self.enable_caching else (request.sharing_group or "").encode()
-        return hash_request_blocks(request.all_token_ids, self.block_size, known, extra_keys)
+        return hash_request_blocks(
+            request.all_token_ids, self.block_size, known, extra_keys, request.cache_salt
+        )
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the request's blocks that are full once its first `num_tokens` are written."""

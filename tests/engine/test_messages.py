@@ -41,10 +41,11 @@ def test_sampling_params_survive_the_wire() -> None:
         logit_bias={"5": 3.5}, bad_words=["x y"], bad_words_token_ids=[[4, 5]],
         allowed_token_ids=[1, 2, 3], prompt_logprobs=1, truncate_prompt_tokens=4,
     )  # fmt: skip
-    message = AddRequests([EngineCoreRequest("r", [1, 2, 3], params, "g")])
+    message = AddRequests([EngineCoreRequest("r", [1, 2, 3], params, "g", -7, "salt")])
     decoded = decode_to_core(encode(message))
     assert decoded == message
     assert isinstance(decoded, AddRequests)
+    assert (decoded.requests[0].priority, decoded.requests[0].cache_salt) == (-7, "salt")
     received = decoded.requests[0].sampling_params
     assert received.output_kind is RequestOutputKind.DELTA
     assert received.eos_token_ids == (1, 2) and received.logit_bias == {5: 3.5}

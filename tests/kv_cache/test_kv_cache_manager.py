@@ -139,3 +139,31 @@ def test_caching_disabled_never_hits() -> None:
     schedule(manager, a, 9)
     assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
     assert manager.block_pool.cached == {}
+
+
+def test_cache_salt_enters_the_first_block_and_the_chain_carries_it() -> None:
+    tokens = list(range(12))  # three full blocks of 4
+    plain = hash_request_blocks(tokens, 4, [])
+    assert hash_request_blocks(tokens, 4, [], cache_salt=None) == plain
+    salted = hash_request_blocks(tokens, 4, [], cache_salt="a")
+    assert salted == hash_request_blocks(tokens, 4, [], cache_salt="a")
+    assert all(s != p for s, p in zip(salted, plain, strict=True))
+    other = hash_request_blocks(tokens, 4, [], cache_salt="b")
+    assert all(s != o for s, o in zip(salted, other, strict=True))
+    # Only the first block's parent changes: the later ones are chained as usual.
+    assert salted[1] == hash_block_tokens(salted[0], tokens[4:8])
+
+
+def test_requests_with_different_salts_share_no_block() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(9))  # two full blocks
+    first = make_request("first", prompt)
+    first.cache_salt = "tenant-a"
+    assert schedule(manager, first, 9) == [0, 1, 2]
+    for salt, num_hit_tokens in [("tenant-b", 0), (None, 0), ("tenant-a", 8)]:
+        request = make_request(f"then-{salt}", prompt)
+        request.cache_salt = salt
+        hits, num_hits = manager.get_computed_blocks(request)
+        assert num_hits == num_hit_tokens, salt
+        assert [b.block_id for b in hits] == ([0, 1] if num_hit_tokens else [])
+    manager.check_invariants()

@@ -99,6 +99,11 @@ class SamplingFields(RequestModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's request extras: lower priority values are scheduled first (non-zero needs
+    # --scheduling-policy priority)
+    priority: int = 0
+    # isolates the request's prefix-cache blocks: only requests with the same salt share them
+    cache_salt: str | None = None
     # Structured outputs (structured_fields.py turns them into one StructuredOutputsParams)
     response_format: dict[str, Any] | None = None
     structured_outputs: Any = None

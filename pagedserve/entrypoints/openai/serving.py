@@ -4,7 +4,7 @@ parameters, SSE framing and disconnect handling (logprob formats: serving_logpro
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -42,7 +42,7 @@ class Engine(Protocol):
     def get_tokenizer(self) -> Any: ...
     def start(self) -> None: ...
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> RequestStream: ...
     def iterate(self, stream: RequestStream) -> AsyncIterator[RequestOutput]: ...
     def abort_request(self, request_id: str) -> None: ...
@@ -239,13 +239,23 @@ def default_max_tokens_of(defaults: dict[str, Any]) -> int | None:
 
 
 def add_requests(
-    engine: Engine, request_id: str, prompts: list[PromptType], params: SamplingParams
+    engine: Engine,
+    request_id: str,
+    prompts: list[PromptType],
+    params: SamplingParams,
+    priority: int = 0,
+    cache_salt: str | None = None,
 ) -> list[RequestStream]:
-    """Send one engine request per prompt; if one is refused, abort those already sent."""
+    """Send one engine request per prompt, each with `priority` and `cache_salt` (vLLM's
+    request fields; the engine checks them: InvalidRequestError naming the field); if one is
+    refused, abort those already sent."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(engine.add_request(f"{request_id}-{i}", prompt, params))
+            if cache_salt is not None:
+                prompt = {**(prompt if isinstance(prompt, Mapping) else {"prompt": prompt})}
+                prompt["cache_salt"] = cache_salt
+            streams.append(engine.add_request(f"{request_id}-{i}", prompt, params, priority))
     except BaseException:
         for stream in streams:
             engine.abort_request(stream.request_id)

@@ -103,10 +103,13 @@ async def beam_search_outputs(
     prompts: list[PromptType],
     params: BeamSearchParams,
     raw_request: Request,
+    priority: int = 0,
+    cache_salt: str | None = None,
 ) -> list[RequestOutput]:
     """Run beam search for each prompt (dicts with `prompt_token_ids`); one RequestOutput per
     prompt whose `outputs` are its beam_width best sequences, best first, as vLLM's server
     returns them: the text leaves out a final EOS, finish_reason "stop" (EOS) or "length".
+    Every step's requests carry `priority` and `cache_salt`.
 
     Raises OpenAIError 400 if 2 * n exceeds the engine's max_logprobs, and 499 when the client
     leaves (the step's requests are aborted)."""
@@ -135,7 +138,9 @@ async def beam_search_outputs(
     step = 0
     while beams := search.pending():
         step_prompts: list[PromptType] = [{"prompt_token_ids": beam} for beam in beams]
-        streams = add_requests(engine, f"{request_id}-step{step}", step_prompts, step_params)
+        streams = add_requests(
+            engine, f"{request_id}-step{step}", step_prompts, step_params, priority, cache_salt
+        )
         watcher = DisconnectWatcher(raw_request, engine, streams)
         outputs = await final_outputs(engine, streams, watcher)
         search.advance([output.outputs[0].logprobs[0] for output in outputs])  # type: ignore[index]

@@ -151,11 +151,14 @@ class OpenAIServingChat:
         if request.use_beam_search:
             beam = beam_search_params(request, max_tokens, defaults)
             [final] = await beam_search_outputs(
-                self.engine, request_id, [prompt], beam, raw_request
-            )
+                self.engine, request_id, [prompt], beam, raw_request, request.priority,
+                request.cache_salt,
+            )  # fmt: skip
             return self._response(request, request_id, int(time.time()), final)
         try:
-            streams = add_requests(self.engine, request_id, [prompt], params)
+            streams = add_requests(
+                self.engine, request_id, [prompt], params, request.priority, request.cache_salt
+            )
         except InvalidRequestError as e:  # the engine's field names, in chat's words
             if e.param == "prompt":
                 e.param = "messages"

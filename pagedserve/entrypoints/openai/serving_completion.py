@@ -106,9 +106,14 @@ class OpenAIServingCompletion:
         request_id = random_id("cmpl")
         if request.use_beam_search:
             beam = beam_search_params(request, max_tokens, defaults)
-            outputs = await beam_search_outputs(self.engine, request_id, prompts, beam, raw_request)
+            outputs = await beam_search_outputs(
+                self.engine, request_id, prompts, beam, raw_request, request.priority,
+                request.cache_salt,
+            )  # fmt: skip
             return self._response(request, request_id, int(time.time()), outputs)
-        streams = add_requests(self.engine, request_id, prompts, params)
+        streams = add_requests(
+            self.engine, request_id, prompts, params, request.priority, request.cache_salt
+        )
         created = int(time.time())
         watcher = DisconnectWatcher(raw_request, self.engine, streams)
         if request.stream:

@@ -100,7 +100,7 @@ class FakeEngine:
             self._stepper = asyncio.create_task(self._run(), name="fake-engine-steps")
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> RequestStream:
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
@@ -115,6 +115,7 @@ class FakeEngine:
             params,
             num_blocks=10**6,
             block_size=16,
+            priority=priority,
         )
         for index, child in enumerate(children):
             child_params = child.sampling_params

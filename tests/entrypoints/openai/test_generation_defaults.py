@@ -37,10 +37,10 @@ class RecordingEngine(FakeEngine):
         self.params: list[SamplingParams] = []
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> RequestStream:
         self.params.append(params)
-        return super().add_request(request_id, prompt, params)
+        return super().add_request(request_id, prompt, params, priority)
 
 
 @pytest.fixture
