@@ -249,7 +249,45 @@ def test_online_fp8_greedy_equals_transformers_w8a8(float_model: Path, tmp_path:
     (dense / "config.json").write_text((float_model / "config.json").read_text())
     save_file(tensors, str(dense / "model.safetensors"))
     expected = hf_w8a8_greedy(dense, PROMPTS, 10)
-    assert llm_greedy(float_model, "fp8") == expected
+    assert_equal_up_to_a_near_tie(llm_greedy_top2(float_model, "fp8"), expected)
+
+
+def llm_greedy_top2(path: Path, quantization: str) -> list[list[tuple[int, dict[int, float]]]]:
+    """As `llm_greedy`, with each token's top-2 logprobs (token id -> logprob)."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    with LLM(str(path), quantization=quantization, dtype="float32", device="cpu",
+             skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=32,
+             max_model_len=64, max_num_seqs=1) as llm:  # fmt: skip
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [
+        [
+            (token, {t: lp.logprob for t, lp in top.items()})
+            for token, top in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True)
+        ]
+        for o in outputs
+    ]
+
+
+def assert_equal_up_to_a_near_tie(
+    ours: list[list[tuple[int, dict[int, float]]]], expected: list[list[int]], tie: float = 0.1
+) -> None:
+    """Every sequence equals `expected` up to its first difference, where the expected token
+    must be our second choice within `tie` nats of our first; after it the sequences may part.
+    At most one of the sequences may part so. Why: dynamic FP8 activations round each input
+    to e4m3 (steps of 6 percent), so a float32 accumulation-order difference (our fused q/k/v
+    GEMM against transformers' three) can flip one rounding and move a logit by some 0.05
+    nats; seen on torch 2.13's CPU build (prompt 2, step 6: a 0.046-nat tie)."""
+    parted = 0
+    for sequence, reference in zip(ours, expected, strict=True):
+        tokens = [token for token, _ in sequence]
+        if tokens == reference:
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b)
+        chosen, top = sequence[k]
+        assert reference[k] in top, (k, tokens, reference)
+        assert top[chosen] - top[reference[k]] < tie, (k, top)
+        parted += 1
+    assert parted <= 1, (ours, expected)
 
 
 def test_online_fp8_runs_on_dummy_weights(tmp_path: Path) -> None:

@@ -3,9 +3,9 @@ its engine core is killed: every pending request fails promptly, then the server
 1) so that a supervisor restarts it. With --keep-alive-on-engine-death it stays up instead and
 every new request, /health included, gets a 503."""
 
+import contextlib
 import os
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -43,6 +43,24 @@ def engine_core_pid(server_pid: int) -> int:
         if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
             return int(pid)
     raise AssertionError(f"no engine core among the children {children} of {server_pid}")
+
+
+def socket_folders(pid: int) -> set[Path]:
+    """The pagedserve-* folders of the Unix sockets that process `pid` has open (its fds'
+    socket inodes looked up in /proc/net/unix): this server's, not those of other servers
+    that tests running at the same time start."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    folders = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and "/pagedserve-" in fields[7]:
+            folders.add(Path(fields[7]).parent)
+    return folders
 
 
 def test_chat_template_file_and_a_single_bos(doomed: Any) -> None:
@@ -163,10 +181,9 @@ def test_sigterm_to_the_server_process_alone_stops_the_core_and_removes_its_sock
 ) -> None:
     """A supervisor that signals only the server's pid (Kubernetes, `kill PID`): the server
     stops its engine core before it exits, and the core's socket folder goes with it."""
-    before = set(Path(tempfile.gettempdir()).glob("pagedserve-*"))
     running = server_factory("llama3")
     try:
-        sockets = set(Path(tempfile.gettempdir()).glob("pagedserve-*")) - before
+        sockets = socket_folders(engine_core_pid(running.process.pid))
         assert sockets, "the engine core's socket folder was not found"
         assert_clean_stop(running, signal.SIGTERM, group=False)
         assert not any(folder.exists() for folder in sockets)
