@@ -294,7 +294,6 @@ def run_server(args: argparse.Namespace) -> None:
 
     from pagedserve.engine.arg_utils import engine_args_from_namespace
     from pagedserve.engine.async_engine import AsyncLLMEngine
-    from pagedserve.metrics import EngineMetrics
 
     from .cli_args import check_server_args, resolve_server_args
     from .launch import (
@@ -318,7 +317,6 @@ def run_server(args: argparse.Namespace) -> None:
         sock = bind_socket(args.host, args.port)
     except (ValueError, OSError) as e:
         raise SystemExit(f"pagedserve serve: error: {e}") from None
-    metrics = EngineMetrics(args.served_model_name[0])
     logger.info("starting the engine for %s; the server answers once it is ready", args.model)
     try:
         engine = AsyncLLMEngine.from_engine_args(
@@ -326,7 +324,7 @@ def run_server(args: argparse.Namespace) -> None:
             log_requests=args.enable_log_requests and not args.disable_log_requests,
             log_stats=not args.disable_log_stats,
             log_stats_interval_s=args.stats_log_interval,
-            metrics=metrics,
+            served_model_name=args.served_model_name[0],
         )
     except (ValueError, NotImplementedError) as e:  # a bad option; an unsupported checkpoint
         sock.close()
@@ -344,7 +342,7 @@ def run_server(args: argparse.Namespace) -> None:
                 args.served_model_name,
                 api_key=args.api_key,
                 chat_template=chat_template,
-                registry=metrics.registry,
+                registry=engine.metrics.registry,
                 model_root=args.model,
                 on_engine_death=None if args.keep_alive_on_engine_death else exit_server,
                 max_request_body_bytes=args.max_request_body_bytes,
