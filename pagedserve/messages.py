@@ -113,8 +113,10 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False
 
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
-    # request id, seconds from arrival in the core to first scheduling
+    # request id, seconds from arrival in the core to first scheduling (at `scheduled_at`)
     queue_times: list[tuple[str, float]]
+    scheduled_at: float  # the core's time.monotonic() when the step began
+    timestamp: float  # the core's time.monotonic() when the step's outputs were made
 
 
 class EngineCoreError(msgspec.Struct, tag="error", array_like=True, gc=False):

@@ -12,92 +12,76 @@ from pagedserve.outputs import RequestOutput
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = [
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-]
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
 _ITL_BUCKETS = [
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-]
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+]  # fmt: skip
 _LATENCY_BUCKETS = [
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-]
-FINISHED_REASONS = ("stop", "length", "abort")
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+_ITERATION_TOKENS_BUCKETS: list[float] = [
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+]  # fmt: skip
+_N_BUCKETS: list[float] = [1, 2, 5, 10, 20]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's buckets of token counts)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+FINISHED_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason
+
+
+@dataclass(slots=True)
+class _SequenceTimes:
+    """One sequence (engine-core request), in the core's time.monotonic() seconds."""
+
+    scheduled: float | None = None  # first scheduled
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generation_tokens: int = 0
 
 
 @dataclass(slots=True)
 class _RequestTimes:
     arrival: float  # time.monotonic() when the server accepted the request
     num_prompt_tokens: int
+    max_tokens: int  # resolved
+    child_ids: list[str]  # its sequences' engine-core request ids, by completion index
     last_token: float | None = None  # when its latest tokens arrived; None before the first
 
 
 class EngineMetrics:
     """Counts what the engine does, per user request (a request with n > 1 counts its
-    prompt once; `request_success_total` counts each of its n sequences, as vLLM does).
+    prompt once in `prompt_tokens` and `iteration_tokens_total`). As vLLM, the per-sequence
+    series (`request_success_total`, `request_prompt_tokens`, `request_generation_tokens`,
+    `request_params_max_tokens` and the prefill, decode, inference and time-per-output-token
+    histograms) count each of the n sequences; `request_params_n` and
+    `request_max_num_generation_tokens` count the request once.
 
-    Times are taken where the server sees them: TTFT from acceptance to the first token's
-    arrival, inter-token latency between arrivals; queue time is measured by the core.
+    TTFT, inter-token latency and e2e latency are taken where the server sees them (from
+    acceptance; between arrivals). Queue, prefill, decode and inference times are the core's:
+    queue time from its arrival there to first scheduling (the start of that step); prefill
+    from then to the end of the step that made the first token, decode from there to the end
+    of the step that made the last token, inference the two together.
+    `max_model_len` (tokens) bounds the buckets of token counts.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = {"model_name": model_name}
         name = "pagedserve:"
@@ -133,34 +117,94 @@ class EngineMetrics:
             reason: success.labels(model_name=model_name, finished_reason=reason)
             for reason in FINISHED_REASONS
         }
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished sequence.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens each finished sequence generated.", token_buckets
+        )
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "Most tokens generated by one of a request's sequences.",
+            token_buckets,
+        )
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens of each finished sequence.", token_buckets
+        )
+        self.request_params_n = histogram(
+            "request_params_n", "The n of each finished request.", _N_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Prompt and generated tokens counted per engine step.",
+            _ITERATION_TOKENS_BUCKETS,
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time per token after the first, per sequence.",
+            _ITL_BUCKETS,
+        )
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Request latency, arrival to finish.", _LATENCY_BUCKETS
         )
         self.queue_time = histogram(
             "request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY_BUCKETS
         )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to last token.", _LATENCY_BUCKETS
+        )
         self._requests: dict[str, _RequestTimes] = {}
+        self._sequences: dict[str, _SequenceTimes] = {}  # by engine-core request id
         self._last_totals = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self._log = _LogInterval(time.monotonic())
 
-    def record_arrival(self, request_id: str, num_prompt_tokens: int, now: float) -> None:
-        self._requests[request_id] = _RequestTimes(now, num_prompt_tokens)
+    def record_arrival(
+        self,
+        request_id: str,
+        child_ids: list[str],
+        num_prompt_tokens: int,
+        max_tokens: int,
+        now: float,
+    ) -> None:
+        """A request accepted at `now` (time.monotonic()), run as the engine-core requests
+        `child_ids` (one per sequence, by completion index)."""
+        self._requests[request_id] = _RequestTimes(
+            now, num_prompt_tokens, max_tokens, list(child_ids)
+        )
+        for child_id in child_ids:
+            self._sequences[child_id] = _SequenceTimes()
 
     def record_outputs(
         self,
         outputs: list[EngineCoreOutput],
         parent_of: Callable[[str], str | None],
         now: float,
+        core_time: float,
     ) -> None:
-        """One step's outputs (before the OutputProcessor forgets finished children)."""
+        """One step's outputs (before the OutputProcessor forgets finished children),
+        received at `now`; `core_time`: when the core made them (its time.monotonic())."""
         num_tokens_by_parent: dict[str, int] = {}
         for output in outputs:
+            num_tokens = len(output.new_token_ids)
+            sequence = self._sequences.get(output.request_id)
+            if sequence is not None and num_tokens:
+                if sequence.first_token is None:
+                    sequence.first_token = core_time
+                sequence.last_token = core_time
+                sequence.num_generation_tokens += num_tokens
             parent = parent_of(output.request_id)
             if parent is not None:
-                num_tokens = len(output.new_token_ids)
                 num_tokens_by_parent[parent] = num_tokens_by_parent.get(parent, 0) + num_tokens
+        num_step_tokens = 0
         for parent, num_tokens in num_tokens_by_parent.items():
             times = self._requests.get(parent)
             if times is None or num_tokens == 0:
@@ -169,27 +213,68 @@ class EngineMetrics:
                 self.ttft.observe(now - times.arrival)
                 self.prompt_tokens.inc(times.num_prompt_tokens)
                 self._log.num_prompt_tokens += times.num_prompt_tokens
+                num_step_tokens += times.num_prompt_tokens
             else:
                 self.itl.observe(now - times.last_token)
             times.last_token = now
             self.generation_tokens.inc(num_tokens)
             self._log.num_generation_tokens += num_tokens
+            num_step_tokens += num_tokens
+        if outputs:  # as vLLM: every step that sent outputs
+            self.iteration_tokens.observe(num_step_tokens)
 
     def record_finished(self, output: RequestOutput, now: float) -> None:
         times = self._requests.pop(output.request_id, None)
-        if times is not None:
-            self.e2e.observe(now - times.arrival)
+        most_tokens = 0
         for completion in output.outputs:
             reason = completion.finish_reason or "abort"
             self.request_success[reason if reason in FINISHED_REASONS else "abort"].inc()
+            if times is None:
+                continue
+            child_id = times.child_ids[completion.index]
+            sequence = self._sequences.pop(child_id, None) or _SequenceTimes()
+            most_tokens = max(most_tokens, sequence.num_generation_tokens)
+            self._record_sequence(times, sequence)
+        if times is not None:
+            self.e2e.observe(now - times.arrival)
+            self.request_params_n.observe(len(times.child_ids))
+            self.request_max_num_generation_tokens.observe(most_tokens)
+            for child_id in times.child_ids:  # (all popped unless outputs were missing)
+                self._sequences.pop(child_id, None)
 
-    def record_aborted(self, request_id: str, num_unfinished_sequences: int) -> None:
-        if self._requests.pop(request_id, None) is not None:
-            self.request_success["abort"].inc(num_unfinished_sequences)
+    def _record_sequence(self, times: _RequestTimes, sequence: _SequenceTimes) -> None:
+        self.request_prompt_tokens.observe(times.num_prompt_tokens)
+        self.request_generation_tokens.observe(sequence.num_generation_tokens)
+        self.request_params_max_tokens.observe(times.max_tokens)
+        scheduled, first, last = sequence.scheduled, sequence.first_token, sequence.last_token
+        if scheduled is None or first is None or last is None:
+            return  # never scheduled, or no token: no phases to time
+        self.prefill_time.observe(first - scheduled)
+        self.decode_time.observe(last - first)
+        self.inference_time.observe(last - scheduled)
+        num_decoded = sequence.num_generation_tokens - 1  # the first token ends the prefill
+        self.tpot.observe((last - first) / num_decoded if num_decoded > 0 else 0.0)
 
-    def record_queue_times(self, queue_times: list[float]) -> None:
-        for seconds in queue_times:
+    def record_aborted(
+        self, request_id: str, num_unfinished_sequences: int, reason: str = "abort"
+    ) -> None:
+        """A request ended early: "abort" (the caller left, the server stopped it) or
+        "error" (an internal error ended it); its unfinished sequences count as `reason`."""
+        times = self._requests.pop(request_id, None)
+        if times is None:
+            return
+        self.request_success[reason].inc(num_unfinished_sequences)
+        for child_id in times.child_ids:
+            self._sequences.pop(child_id, None)
+
+    def record_queue_times(self, queue_times: list[tuple[str, float]], scheduled_at: float) -> None:
+        """Sequences first scheduled in the step that began at `scheduled_at` (the core's
+        time.monotonic()): (engine-core request id, seconds from arrival in the core)."""
+        for child_id, seconds in queue_times:
             self.queue_time.observe(seconds)
+            sequence = self._sequences.get(child_id)
+            if sequence is not None and sequence.scheduled is None:
+                sequence.scheduled = scheduled_at
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)

@@ -66,6 +66,9 @@ class AsyncLLMEngine:
     (`EngineCoreClient`). A background task receives the core's outputs and fans them out to
     per-request queues. If the core dies, every pending and new request fails with
     EngineDeadError. Methods must be called from one event loop.
+
+    `metrics` (default: new EngineMetrics labelled `served_model_name`, else the model's name)
+    counts what it does for /metrics and the periodic stats line.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class AsyncLLMEngine:
         log_stats: bool = True,
         log_stats_interval_s: float = 10.0,
         metrics: EngineMetrics | None = None,
+        served_model_name: str | None = None,
     ) -> None:
         self.engine_args = engine_args
         self.config = engine_args.create_engine_config()
@@ -84,7 +88,10 @@ class AsyncLLMEngine:
         self.log_requests = log_requests
         self.log_stats = log_stats
         self.log_stats_interval_s = log_stats_interval_s
-        self.metrics = metrics if metrics is not None else EngineMetrics(model_config.model_name)
+        if metrics is None:
+            name = served_model_name or model_config.model_name
+            metrics = EngineMetrics(name, model_config.max_model_len)
+        self.metrics = metrics
         self.streams: dict[str, RequestStream] = {}
         self.dead_error: EngineDeadError | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -187,15 +194,23 @@ class AsyncLLMEngine:
             self.output_processor.abort_request(request_id)
             raise
         num_prompt_tokens = len(processed.prompt_token_ids)
+        max_tokens = processed.sampling_params.max_tokens
+        assert max_tokens is not None  # resolved by the input processor
         stream = RequestStream(request_id)
         self.streams[request_id] = stream
-        self.metrics.record_arrival(request_id, num_prompt_tokens, time.monotonic())
+        self.metrics.record_arrival(
+            request_id,
+            [child.request_id for child in children],
+            num_prompt_tokens,
+            max_tokens,
+            time.monotonic(),
+        )
         if self.log_requests:
             logger.info(
                 "Added request %s: %d prompt tokens, max_tokens %d, %s",
                 request_id,
                 num_prompt_tokens,
-                processed.sampling_params.max_tokens,
+                max_tokens,
                 params,
             )
         return stream
@@ -275,13 +290,15 @@ class AsyncLLMEngine:
             parent = child_to_parent.get(child_id)
             return None if parent is None else parent[0]
 
-        self.metrics.record_outputs(message.outputs, parent_of, now)
+        # First: a sequence scheduled for the first time may finish in this very step.
+        self.metrics.record_queue_times(message.queue_times, message.scheduled_at)
+        self.metrics.record_outputs(message.outputs, parent_of, now, message.timestamp)
         request_outputs, stopped = self.output_processor.process_outputs(message.outputs)
         if stopped:
             with contextlib.suppress(EngineDeadError):  # the watchdog reports a dead core
                 self.core.send_finish(stopped)
         for failed in self.output_processor.pop_failed():  # one request's internal error
-            self.metrics.record_aborted(failed.request_id, len(failed.child_ids))
+            self.metrics.record_aborted(failed.request_id, len(failed.child_ids), "error")
             if failed.child_ids:
                 with contextlib.suppress(EngineDeadError):
                     self.core.send_abort(failed.child_ids)
@@ -296,7 +313,6 @@ class AsyncLLMEngine:
                 self.metrics.record_finished(output, now)
             if stream is not None:
                 stream.queue.put_nowait(output)
-        self.metrics.record_queue_times([seconds for _, seconds in message.queue_times])
         self.metrics.record_scheduler_stats(message.stats)
 
     async def _watch_core(self) -> None:

@@ -13,9 +13,11 @@ its fields in order):
         FinishRequests  ["finish", [request_id, ...]]   a stop string matched: FINISHED_STOPPED
         Shutdown        ["shutdown"]
     core -> server (PUSH/PULL, "output"), `messages.ToServer`:
-        EngineCoreOutputs   ["outputs", [EngineCoreOutput, ...], SchedulerStats, queue_times]
-            after each step or handled input; queue_times: [[request_id, seconds from arrival
-            to first scheduling], ...]
+        EngineCoreOutputs   ["outputs", [EngineCoreOutput, ...], SchedulerStats, queue_times,
+                             scheduled_at, timestamp]
+            after each step; queue_times: [[request_id, seconds from arrival to first
+            scheduling], ...], scheduled at `scheduled_at` (the step's start); timestamp: when
+            the outputs were made (both the core's time.monotonic())
         EngineCoreError     ["error", traceback_text]   the loop failed; the process exits
 
 Startup goes over a multiprocessing pipe, once: ("ready", (num_blocks, sliding_window)),
@@ -201,6 +203,7 @@ class _CoreLoop:
 
         start = time.monotonic()
         outputs = self.core.step()
+        made = time.monotonic()
         if self.rejected:
             outputs, self.rejected = self.rejected + outputs, []
         queue_times = []
@@ -210,7 +213,7 @@ class _CoreLoop:
             if request is None or request.status != RequestStatus.WAITING:
                 queue_times.append((request_id, start - arrival))
                 del self.unscheduled[request_id]
-        self._send(EngineCoreOutputs(outputs, self.core.stats(), queue_times))
+        self._send(EngineCoreOutputs(outputs, self.core.stats(), queue_times, start, made))
 
     def _send(self, message: ToServer) -> None:
         """Send without ever blocking for good: a PUSH socket whose peer is gone would wait

@@ -102,7 +102,9 @@ def test_core_outputs_survive_the_wire() -> None:
         EngineCoreOutput("r2", [3], None, "stop", "the end", 0),
         EngineCoreOutput("r3", [], None, None, None, 0, prompt_logprobs),
     ]
-    message = EngineCoreOutputs(outputs, SchedulerStats(2, 1, 0.25, 3, 64, 32), [("r", 0.5)])
+    message = EngineCoreOutputs(
+        outputs, SchedulerStats(2, 1, 0.25, 3, 64, 32), [("r", 0.5)], 1.5, 2.5
+    )
     decoded = decode_to_server(encode(message))
     assert decoded == message
     assert isinstance(decoded, EngineCoreOutputs)

@@ -13,7 +13,7 @@ import prometheus_client
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve import envs
@@ -51,6 +51,7 @@ from .protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from .server_metrics import add_metrics_route, add_process_metrics, instrument_http
 from .serving import Engine, OpenAIError, check_model, error_body, to_openai_error
 from .serving_chat import OpenAIServingChat, chat_prompt
 from .serving_completion import OpenAIServingCompletion
@@ -139,7 +140,8 @@ def build_app(
     reasoning_parser: str | None = None,
     root_path: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows.
+    """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows; the
+    app adds its HTTP metrics to it (server_metrics.instrument_http).
     `cors`: the CORS policy (default: any origin, method and header, no credentials, as
     vLLM's defaults).
 
@@ -177,6 +179,8 @@ def build_app(
     # Outermost: a browser's preflight (OPTIONS, no API key) is answered here, and every
     # answer, 401s included, carries the CORS headers the page needs to read it.
     add_cors(app, cors or CorsOptions())
+    # Outside the API key and CORS: 401s and preflights are counted too.
+    instrument_http(app, registry)
     if root_path:  # outermost of all: every middleware and route sees the route's path
         app.add_middleware(RootPathMiddleware, root_path=root_path)
     # The model's generation-config defaults for fields a request leaves out (vLLM's
@@ -271,20 +275,7 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get(
-        "/metrics",
-        response_class=Response,
-        responses={
-            200: {
-                "description": "Prometheus metrics, in its text format",
-                "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
-            }
-        },
-    )
-    async def metrics() -> Response:
-        data = generate_latest(registry) if registry is not None else b""
-        return Response(content=data, media_type=CONTENT_TYPE_LATEST)
-
+    add_metrics_route(app, registry)
     return app
 
 
@@ -294,7 +285,6 @@ def run_server(args: argparse.Namespace) -> None:
 
     from pagedserve.engine.arg_utils import engine_args_from_namespace
     from pagedserve.engine.async_engine import AsyncLLMEngine
-    from pagedserve.metrics import EngineMetrics
 
     from .cli_args import check_server_args, resolve_server_args
     from .launch import (
@@ -318,7 +308,6 @@ def run_server(args: argparse.Namespace) -> None:
         sock = bind_socket(args.host, args.port)
     except (ValueError, OSError) as e:
         raise SystemExit(f"pagedserve serve: error: {e}") from None
-    metrics = EngineMetrics(args.served_model_name[0])
     logger.info("starting the engine for %s; the server answers once it is ready", args.model)
     try:
         engine = AsyncLLMEngine.from_engine_args(
@@ -326,11 +315,12 @@ def run_server(args: argparse.Namespace) -> None:
             log_requests=args.enable_log_requests and not args.disable_log_requests,
             log_stats=not args.disable_log_stats,
             log_stats_interval_s=args.stats_log_interval,
-            metrics=metrics,
+            served_model_name=args.served_model_name[0],
         )
     except (ValueError, NotImplementedError) as e:  # a bad option; an unsupported checkpoint
         sock.close()
         raise SystemExit(f"pagedserve serve: error: {e}") from None
+    add_process_metrics(engine.metrics.registry)
     server: list[uvicorn.Server] = []  # made once the app exists
     died = False
 
@@ -344,7 +334,7 @@ def run_server(args: argparse.Namespace) -> None:
                 args.served_model_name,
                 api_key=args.api_key,
                 chat_template=chat_template,
-                registry=metrics.registry,
+                registry=engine.metrics.registry,
                 model_root=args.model,
                 on_engine_death=None if args.keep_alive_on_engine_death else exit_server,
                 max_request_body_bytes=args.max_request_body_bytes,

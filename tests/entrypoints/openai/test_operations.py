@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from pagedserve.entrypoints.openai.api_server import build_app
 
@@ -155,9 +156,10 @@ def test_tls_and_a_root_path_with_the_openai_client(
 def test_a_root_path_is_served_with_or_without_the_prefix() -> None:
     """`--root-path /llm` under uvicorn (which puts the prefix in the ASGI path): a proxy that
     strips it and one that does not both reach the routes, and the API-key middleware sees
-    the route's path (/health stays open; /v1 needs the key)."""
+    the route's path (/health stays open; /v1 needs the key), and so do the HTTP metrics."""
     engine = FakeEngine(shared_tokenizer("llama3"))
-    app = build_app(engine, ["m"], api_key="secret", root_path="/llm")
+    registry = CollectorRegistry()
+    app = build_app(engine, ["m"], api_key="secret", root_path="/llm", registry=registry)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, root_path="/llm", log_level="warning")
@@ -182,6 +184,24 @@ def test_a_root_path_is_served_with_or_without_the_prefix() -> None:
         assert httpx.get(f"{base}/llmx/v1/models", headers=key).status_code == 404
         openapi = httpx.get(f"{base}/llm/openapi.json", headers=key).json()
         assert {"url": "/llm"} in openapi.get("servers", [])
+        counts = {  # by route template, with or without the prefix; no route: "none"
+            ("/v1/models", "GET", "2xx"): 2,
+            ("/v1/models", "GET", "4xx"): 2,
+            ("/v1/completions", "POST", "2xx"): 2,
+            ("none", "GET", "4xx"): 1,
+        }
+        deadline = time.monotonic() + 10  # (counted once each answer has been sent)
+        while True:
+            found = {
+                (handler, method, status): registry.get_sample_value(
+                    "http_requests_total", {"handler": handler, "method": method, "status": status}
+                )
+                for handler, method, status in counts
+            }
+            if found == counts or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert found == counts
     finally:
         server.should_exit = True
         thread.join(timeout=30)

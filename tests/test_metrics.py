@@ -1,0 +1,89 @@
+"""EngineMetrics on hand-made engine-core messages: the per-request histograms get exactly the
+phases, token counts and parameters of what ran."""
+
+from prometheus_client import CollectorRegistry
+
+from pagedserve.messages import EngineCoreOutput
+from pagedserve.metrics import EngineMetrics, build_1_2_5_buckets
+from pagedserve.outputs import CompletionOutput, RequestOutput
+
+MODEL = "m"
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    sample = registry.get_sample_value(f"pagedserve:{name}", {"model_name": MODEL, **labels})
+    assert sample is not None, name
+    return sample
+
+
+def completion(index: int, num_tokens: int, reason: str) -> CompletionOutput:
+    return CompletionOutput(index, "", [7] * num_tokens, None, None, reason)
+
+
+def token(child_id: str) -> EngineCoreOutput:
+    return EngineCoreOutput(child_id, [7])
+
+
+def test_buckets_of_token_counts_are_vllms() -> None:
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(1024)[-1] == 1000
+
+
+def test_one_request_with_two_sequences() -> None:
+    """Request "r" (n=2, 4 prompt tokens, max_tokens 3): sequence a is scheduled at 10.0 and
+    makes tokens at 10.5, 10.75 and 11.5; sequence b is scheduled at 10.25 and makes tokens
+    at 10.75 and 11.0, then a stop string ends it."""
+    metrics = EngineMetrics(MODEL, max_model_len=100)
+    registry = metrics.registry
+    metrics.record_arrival("r", ["a", "b"], 4, 3, now=100.0)
+    parent = {"a": "r", "b": "r"}.get
+    metrics.record_queue_times([("a", 0.5)], scheduled_at=10.0)
+    metrics.record_outputs([], parent, now=100.2, core_time=10.1)  # (a step sending nothing)
+    metrics.record_outputs([token("a")], parent, now=100.5, core_time=10.5)
+    metrics.record_queue_times([("b", 0.75)], scheduled_at=10.25)
+    metrics.record_outputs([token("a"), token("b")], parent, now=101.0, core_time=10.75)
+    metrics.record_outputs([token("b")], parent, now=101.25, core_time=11.0)
+    metrics.record_outputs([token("a")], parent, now=102.0, core_time=11.5)
+    output = RequestOutput("r", None, [1, 2, 3, 4], None, [], finished=True)
+    output.outputs = [completion(0, 3, "length"), completion(1, 2, "stop")]
+    metrics.record_finished(output, now=102.5)
+
+    assert value(registry, "request_success_total", finished_reason="length") == 1
+    assert value(registry, "request_success_total", finished_reason="stop") == 1
+    assert value(registry, "request_success_total", finished_reason="error") == 0
+    # the prompt once (at the first token), then each step's new tokens
+    assert value(registry, "iteration_tokens_total_count") == 4
+    assert value(registry, "iteration_tokens_total_sum") == 4 + 5
+    assert value(registry, "prompt_tokens_total") == 4
+    assert value(registry, "generation_tokens_total") == 5
+    for name, expected in [
+        ("request_prefill_time_seconds", 0.5 + 0.5),  # a: 10.0 -> 10.5; b: 10.25 -> 10.75
+        ("request_decode_time_seconds", 1.0 + 0.25),  # a: 10.5 -> 11.5; b: 10.75 -> 11.0
+        ("request_inference_time_seconds", 1.5 + 0.75),
+        ("request_time_per_output_token_seconds", 1.0 / 2 + 0.25 / 1),
+        ("request_queue_time_seconds", 0.5 + 0.75),
+        ("request_prompt_tokens", 4 + 4),
+        ("request_generation_tokens", 3 + 2),
+        ("request_params_max_tokens", 3 + 3),
+    ]:
+        assert value(registry, f"{name}_count") == 2, name
+        assert value(registry, f"{name}_sum") == expected, name
+    assert value(registry, "request_params_n_count") == 1
+    assert value(registry, "request_params_n_sum") == 2
+    assert value(registry, "request_max_num_generation_tokens_sum") == 3
+    assert value(registry, "e2e_request_latency_seconds_sum") == 2.5
+    assert value(registry, "time_to_first_token_seconds_sum") == 0.5
+    bucket = value(registry, "request_generation_tokens_bucket", le="2.0")
+    assert bucket == 1  # b's 2 tokens; a's 3 fall in le="5.0"
+
+
+def test_a_failed_request_counts_as_error_and_leaves_no_state() -> None:
+    metrics = EngineMetrics(MODEL, max_model_len=100)
+    metrics.record_arrival("r", ["a", "b"], 4, 3, now=1.0)
+    metrics.record_queue_times([("a", 0.0)], scheduled_at=2.0)
+    metrics.record_aborted("r", 2, "error")
+    metrics.record_aborted("r", 2)  # already forgotten: not counted twice
+    assert value(metrics.registry, "request_success_total", finished_reason="error") == 2
+    assert value(metrics.registry, "request_success_total", finished_reason="abort") == 0
+    assert value(metrics.registry, "request_prefill_time_seconds_count") == 0
+    assert not metrics._requests and not metrics._sequences
