@@ -10,7 +10,8 @@ Every message crosses as a msgpack array whose first item is its tag (see `core_
 protocol); structs are arrays of their fields in order (array_like: no field names on the
 wire), and SamplingParams, a dataclass, a map of its fields by name:
 
-    server -> core (`ToCore`):  AddRequests, AbortRequests, FinishRequests, Shutdown
+    server -> core (`ToCore`):  AddRequests, AbortRequests, FinishRequests, ResetPrefixCache,
+                                Shutdown
     core -> server (`ToServer`): EngineCoreOutputs, EngineCoreError
 
 `encode` encodes either direction; `decode_to_core` / `decode_to_server` decode one direction
@@ -103,6 +104,11 @@ class FinishRequests(msgspec.Struct, tag="finish", array_like=True, gc=False):
     request_ids: list[str]
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True, gc=False):
+    """Server -> core: forget the prefix cache's blocks that no request holds (vLLM's
+    `reset_prefix_cache`); requests sent after it find no earlier prefix."""
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False):
     """Server -> core: stop the loop and exit."""
 
@@ -125,7 +131,7 @@ class EngineCoreError(msgspec.Struct, tag="error", array_like=True, gc=False):
     traceback: str
 
 
-ToCore = AddRequests | AbortRequests | FinishRequests | Shutdown
+ToCore = AddRequests | AbortRequests | FinishRequests | ResetPrefixCache | Shutdown
 ToServer = EngineCoreOutputs | EngineCoreError
 
 

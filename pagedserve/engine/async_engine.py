@@ -215,6 +215,13 @@ class AsyncLLMEngine:
             )
         return stream
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache's blocks that no request holds (vLLM's
+        `EngineClient.reset_prefix_cache`); requests added after it find no earlier prefix
+        (the message reaches the engine core before theirs). Raises EngineDeadError if the
+        engine core is gone."""
+        self.core.send_reset_prefix_cache()
+
     async def abort(self, request_id: str) -> None:
         """vLLM's coroutine spelling of `abort_request`."""
         self.abort_request(request_id)

@@ -112,6 +112,10 @@ class EngineCore:
         caller's side is FINISHED_STOPPED) and free their blocks."""
         self.scheduler.finish_requests(request_ids, status)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache's blocks that no request holds (KVCacheManager's)."""
+        self.kv_cache.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 

@@ -24,6 +24,7 @@ from pagedserve.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishRequests,
+    ResetPrefixCache,
     Shutdown,
     ToCore,
     decode_to_server,
@@ -149,6 +150,9 @@ class EngineCoreClient:
     def send_finish(self, request_ids: list[str]) -> None:
         if request_ids:
             self._send(FinishRequests(request_ids))
+
+    def send_reset_prefix_cache(self) -> None:
+        self._send(ResetPrefixCache())
 
     def _send(self, message: ToCore) -> None:
         if not self.process.is_alive():

@@ -45,6 +45,7 @@ from pagedserve.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishRequests,
+    ResetPrefixCache,
     Shutdown,
     ToCore,
     ToServer,
@@ -195,6 +196,8 @@ class _CoreLoop:
                     self.core.abort_requests(request_ids)
                 else:
                     self.core.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+            case ResetPrefixCache():
+                self.core.reset_prefix_cache()
             case Shutdown():
                 self.running = False
 

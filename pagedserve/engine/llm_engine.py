@@ -261,6 +261,10 @@ class LLMEngine:
         for child in children:
             self.engine_core.add_request(child)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache's blocks that no request holds (vLLM's)."""
+        self.engine_core.reset_prefix_cache()
+
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; unknown or finished ids are ignored.
 

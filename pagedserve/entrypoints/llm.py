@@ -58,6 +58,11 @@ class LLM:
         lowered to what the context leaves after each prompt."""
         return default_sampling_params(self.llm_engine.config.model_config.diff_sampling_param)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache's blocks that no request holds (vLLM's
+        `LLM.reset_prefix_cache`): the next prompts find no earlier prefix."""
+        self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the engine's workers (tensor-parallel processes or Ray actors); idempotent.
         `with LLM(...) as llm:` calls it on leaving the block."""

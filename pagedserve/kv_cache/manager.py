@@ -107,6 +107,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds (vLLM's `reset_prefix_cache`, which
+        refuses while any block is in use; blocks that running requests hold stay theirs
+        here, and a later request can still hit those until they are freed)."""
+        self.block_pool.reset_prefix_cache()
+
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 

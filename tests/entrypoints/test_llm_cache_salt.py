@@ -55,3 +55,14 @@ def test_a_salt_that_is_not_a_non_empty_string_is_refused(llm: LLM, salt: object
         llm.generate(prompt, PARAMS, use_tqdm=False)
     assert error.value.param == "cache_salt"  # type: ignore[attr-defined]
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_reset_prefix_cache_forgets_the_cached_prefixes(llm: LLM) -> None:
+    """vLLM's LLM.reset_prefix_cache: a prompt that hit before misses after it, then hits
+    again (the blocks of the miss are cached anew)."""
+    prompt_ids = [1] + [450 + i for i in range(40)]
+    assert num_cached(llm, None, prompt_ids) == 0
+    assert num_cached(llm, None, prompt_ids) == 32
+    llm.reset_prefix_cache()
+    assert num_cached(llm, None, prompt_ids) == 0
+    assert num_cached(llm, None, prompt_ids) == 32

@@ -139,8 +139,16 @@ class LoadMiddleware:
 
 
 def add_operation_routes(app: FastAPI, engine: Engine, load: ServerLoad) -> None:
-    """`GET|POST /ping` (as /health: 200 empty, 503 once the engine core is dead) and
-    `GET /load` (`{"server_load": in-flight generation requests}`)."""
+    """`GET|POST /ping` (as /health: 200 empty, 503 once the engine core is dead),
+    `GET /load` (`{"server_load": in-flight generation requests}`) and
+    `POST /reset_prefix_cache` (200 empty; vLLM's, which it serves in its dev mode only: the
+    prefix cache forgets the blocks no request holds, so a benchmark can start cold)."""
+
+    @app.post("/reset_prefix_cache", response_class=Response,
+              responses={200: {"description": "reset (empty body)"}})  # fmt: skip
+    async def reset_prefix_cache() -> Response:
+        await engine.reset_prefix_cache()  # EngineDeadError -> 503
+        return Response(status_code=200)
 
     async def ping() -> Response:
         await engine.check_health()  # EngineDeadError -> 503

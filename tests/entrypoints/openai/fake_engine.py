@@ -86,6 +86,7 @@ class FakeEngine:
         self.hold_after: int | None = None
         self.dead_error: EngineDeadError | None = None
         self.num_steps = 0
+        self.num_prefix_cache_resets = 0
         self._stepper: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
 
@@ -147,6 +148,10 @@ class FakeEngine:
     async def check_health(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
+
+    async def reset_prefix_cache(self) -> None:
+        await self.check_health()
+        self.num_prefix_cache_resets += 1
 
     def fail_running(self, error: BaseException) -> None:
         """Every running request's stream raises `error`; the engine stays usable."""

@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 
+from .conftest import API_KEY
+
 HITS = "pagedserve:prefix_cache_hits_total"
 PROMPT = "A salted prompt, long enough to fill several blocks of the cache. " * 6
 
@@ -49,3 +51,21 @@ def test_a_bad_salt_is_a_400(fake_app: Any, path: str, salt: object) -> None:
     error = response.json()["error"]
     assert error["param"] is not None and "cache_salt" in error["param"], error
     assert fake_app.post(path, {**body, "cache_salt": "ok"}).status_code == 200
+
+
+def test_reset_prefix_cache_endpoint(server: Any, fake_app_factory: Any) -> None:
+    """POST /reset_prefix_cache (vLLM's): 200 with an empty body; the next request finds no
+    earlier prefix (the reset reaches the engine core before it), and the one after hits."""
+    body = {"prompt": "reset: " + PROMPT, "max_tokens": 1}
+    num_hits(server, "/v1/completions", body)
+    assert num_hits(server, "/v1/completions", body) > 0
+    response = server.post("/reset_prefix_cache", None)
+    assert response.status_code == 200 and response.content == b""
+    assert num_hits(server, "/v1/completions", body) == 0
+    assert num_hits(server, "/v1/completions", body) > 0
+    # It needs the API key as the other routes do (only probes and /metrics are open).
+    fake_app = fake_app_factory(api_key=API_KEY)
+    assert fake_app.post("/reset_prefix_cache", None, headers={}).status_code == 401
+    assert fake_app.engine.num_prefix_cache_resets == 0
+    assert fake_app.post("/reset_prefix_cache", None).status_code == 200
+    assert fake_app.engine.num_prefix_cache_resets == 1
