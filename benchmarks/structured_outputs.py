@@ -81,6 +81,67 @@ def run_once(llm: Any, prompts: list, output_len: int, schema: dict | None, seed
     }
 
 
+class PhaseClock:
+    """`--phases`: host milliseconds per engine step spent in each phase of the step loop,
+    by wrapping the engine's methods (no device syncs added: the wait for the device shows in
+    `wait_result`). Nested phases overlap: `finish_in_flight` holds `wait_result` and
+    `update_from_output`, which holds `accept_tokens`; `deferred_fill` holds `fill`."""
+
+    def __init__(self, llm: Any) -> None:
+        from pagedserve.step import AsyncModelRunnerOutput
+
+        self.totals: dict[str, float] = {}
+        core = llm.llm_engine.engine_core
+        manager = core.structured_output_manager
+        targets = [
+            ("step", llm.llm_engine, "step"),
+            ("core_step", core, "step"),
+            ("schedule", core.scheduler, "schedule"),
+            ("launch_forward", core.executor, "launch_forward"),
+            ("execute_model_async", core.executor, "execute_model_async"),
+            ("finish_in_flight", core, "_finish_in_flight"),
+            ("update_from_output", core.scheduler, "update_from_output"),
+            ("accept_tokens", manager, "accept_tokens"),
+            ("deferred_fill", core.scheduler, "deferred_grammar_output"),
+            ("fill", manager, "grammar_bitmask"),
+            ("sample_tokens", core.executor, "sample_tokens"),
+            ("process_outputs", llm.llm_engine.output_processor, "process_outputs"),
+        ]
+        for name, owner, attr in targets:
+            if hasattr(owner, attr):
+                setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
+        result = AsyncModelRunnerOutput.result
+        clock = self
+
+        def timed_result(output: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return result(output)
+            finally:
+                clock.add("wait_result", time.perf_counter() - start)
+
+        AsyncModelRunnerOutput.result = timed_result  # type: ignore[method-assign]
+
+    def add(self, name: str, seconds: float) -> None:
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - start)
+
+        return timed
+
+    def report(self, label: str, num_steps: int) -> None:
+        """Print ms per step of each phase since the last report, then start again."""
+        parts = [f"{k} {1e3 * v / max(num_steps, 1):.2f}" for k, v in self.totals.items()]
+        print(f"  phases ({label}, ms per step over {num_steps} steps): " + ", ".join(parts))
+        self.totals = {}
+
+
 def compile_seconds(llm: Any, schemas: list[dict]) -> float:
     """Mean compile time of `schemas` (new to the cache) from the manager's counters."""
     from pagedserve import SamplingParams
@@ -112,6 +173,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--kv-cache-memory-bytes", type=int)
+    parser.add_argument("--phases", action="store_true",
+                        help="print host ms per step of each phase of the step loop")  # fmt: skip
     args = parser.parse_args()
 
     from pagedserve import LLM, SamplingParams
@@ -147,6 +210,16 @@ def main() -> None:
     )
     print(f"first constraint (vocabulary tables + compile + 2 tokens): {first_seconds:.2f} s")
     print(f"compile of a typical schema: {typical_compile_s * 1e3:.1f} ms (mean of 8)")
+    clock = PhaseClock(llm) if args.phases else None
+    steps = [0]
+    if clock is not None:  # count core steps that ran something
+        step_fn = engine_core.step
+
+        def counted_step() -> Any:
+            steps[0] += 1
+            return step_fn()
+
+        engine_core.step = counted_step
     print(f"{'run':>6} {'seconds':>8} {'out tok/s':>10} {'at max':>7}")
     rates: dict[str, list[float]] = {"none": [], "json": []}
     for repeat in range(args.repeats):
@@ -162,6 +235,9 @@ def main() -> None:
                 f"{result['num_at_max_tokens']:>7}"
             )
             print(json.dumps({"run": label, "repeat": repeat, **result}))
+            if clock is not None:
+                clock.report(label, steps[0])
+                steps[0] = 0
     stats = manager.stats()
     none, with_json = max(rates["none"]), max(rates["json"])
     loss = 100.0 * (1.0 - with_json / none)

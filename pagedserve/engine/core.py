@@ -83,6 +83,10 @@ class EngineCore:
         self.scheduler.defer_grammar = self.async_scheduling and getattr(
             self.executor, "supports_deferred_grammar", False
         )
+        if self.scheduler.defer_grammar:
+            allocate = self.executor.bitmask_allocator()  # type: ignore[attr-defined]
+            if allocate is not None:
+                self.structured_output_manager.use_bitmask_buffers(allocate)
         # Async scheduling: the step launched last, whose tokens are not applied yet.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         # Everything start-up made (modules, weights' Python objects, graphs) lives as long as

@@ -1,6 +1,9 @@
 """UniprocExecutor: one rank, a Worker in the engine's own process (tensor_parallel_size 1)."""
 
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from pagedserve.config import EngineConfig
 from pagedserve.step import (
@@ -57,6 +60,15 @@ class UniprocExecutor:
         """The forward of a step (`ModelRunner.launch_forward`): a handle for
         `sample_tokens`, or the step's output when nothing samples."""
         return self.worker.launch_forward(scheduler_output)
+
+    def bitmask_allocator(self) -> Callable[[tuple[int, int]], np.ndarray] | None:
+        """Where the structured-output manager should fill the bitmasks of deferred steps:
+        pinned host memory on a GPU (copied to it with no staging copy); None elsewhere."""
+        if self.worker.device.type != "cuda":
+            return None
+        from pagedserve.worker.grammar_bitmask import pinned_host_bitmask
+
+        return pinned_host_bitmask
 
     def sample_tokens(self, pending: Any, grammar: GrammarOutput | None) -> AsyncModelRunnerOutput:
         """Sample the launched forward `pending` with the step's bitmask."""

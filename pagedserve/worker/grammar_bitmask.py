@@ -8,6 +8,7 @@ and logprobs. Only the small bitmask travels to the device; the logits never lea
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from pagedserve.step import GrammarOutput
@@ -62,15 +63,26 @@ _staging: list[torch.Tensor] = []
 _turn = [0]
 
 
+def pinned_host_bitmask(shape: tuple[int, int]) -> np.ndarray:
+    """An int32 host array in pinned (page-locked) memory, [rows, words]: a structured-output
+    manager fills its bitmasks there (`use_bitmask_buffers`), and `apply_grammar_bitmask`
+    copies them to the GPU straight from it, with no staging copy."""
+    with torch.inference_mode():
+        return torch.empty(shape, dtype=torch.int32, pin_memory=True).numpy()
+
+
 def _to_device(
     bitmask: torch.Tensor,  # [num_rows, num_words] int32, host
     rows: list[int],  # [num_rows]
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([num_rows, num_words], [num_rows]) int32 on device
     """The bitmask and its row indices on the GPU `device`, through one pinned buffer, so that
-    the copy is queued behind the forward in flight instead of making the host wait for it."""
+    the copy is queued behind the forward in flight instead of making the host wait for it.
+    A bitmask already in pinned memory (`pinned_host_bitmask`) goes as it is; only its row
+    indices are staged."""
+    pinned = bitmask.is_pinned()
     num_rows, num_words = bitmask.shape
-    numel = num_rows * (num_words + 1)
+    numel = num_rows * (1 if pinned else num_words + 1)
     _turn[0] ^= 1
     if len(_staging) < 2:
         _staging[:] = [torch.empty(0, dtype=torch.int32).pin_memory() for _ in range(2)]
@@ -79,6 +91,8 @@ def _to_device(
     with torch.inference_mode():  # the buffers may have been made under it (inference tensors)
         host = _staging[_turn[0]][:numel]
         host[:num_rows] = torch.tensor(rows, dtype=torch.int32)
+        if pinned:
+            return bitmask.to(device, non_blocking=True), host.to(device, non_blocking=True)
         host[num_rows:].view(num_rows, num_words).copy_(bitmask)
         on_device = host.to(device, non_blocking=True)
     return on_device[num_rows:].view(num_rows, num_words), on_device[:num_rows]

@@ -193,3 +193,34 @@ def test_bitmask_rows_are_int32_words(tokenizer: Any) -> None:
     bitmask = manager.grammar_bitmask([request])
     assert bitmask.dtype == np.int32 and bitmask.shape == (1, (VOCAB + 31) // 32)
     manager.shutdown()
+
+
+def test_bitmask_buffers_are_used_in_turn_and_hold_the_same_masks(tokenizer: Any) -> None:
+    """`use_bitmask_buffers` (pinned host memory on a GPU): each step's mask is a view of one
+    of two buffers, in turn, equal to the copy the manager hands out otherwise; a step's mask
+    stays intact while the next step fills (the engine uses it until then)."""
+    plain, buffered = _manager(tokenizer), _manager(tokenizer)
+    made: list[tuple[int, int]] = []
+
+    def allocate(shape: tuple[int, int]) -> np.ndarray:
+        made.append(shape)
+        return np.full(shape, 7, np.int32)  # garbage: every used row must be overwritten
+
+    buffered.use_bitmask_buffers(allocate)
+    requests = {m: [_request([1], choice=["ab", "cd"]), _request([1], regex="[0-9]+")]
+                for m in (plain, buffered)}  # fmt: skip
+    for manager, pair in requests.items():
+        for request in pair:
+            _ready(manager, request)
+    first = buffered.grammar_bitmask(requests[buffered])
+    kept = first.copy()
+    second = buffered.grammar_bitmask(requests[buffered][:1])
+    assert not np.shares_memory(first, second)  # the other buffer
+    np.testing.assert_array_equal(first, kept)  # untouched by the next step's fill
+    np.testing.assert_array_equal(first, plain.grammar_bitmask(requests[plain]))
+    np.testing.assert_array_equal(second, plain.grammar_bitmask(requests[plain][:1]))
+    third = buffered.grammar_bitmask(requests[buffered])
+    assert np.shares_memory(first, third)  # back to the first buffer
+    assert [rows for rows, _ in made] == [0, 0, 2, 1]  # two empty buffers, each grown once
+    plain.shutdown()
+    buffered.shutdown()
