@@ -19,6 +19,7 @@ NUM_REQUESTS = 8
 MAX_TOKENS = 16
 # Shared by the prompts: full blocks (16 tokens) the later requests find in the prefix cache.
 PREFIX = "Once upon a time there was a little server that counted tokens all day long. " * 3
+MODEL_NAME = "tiny-llama"
 WAIT_MS = 60_000  # every wait on the page; nothing may hang CI
 
 
@@ -39,6 +40,12 @@ def dom_value(page: Page, element_id: str) -> str:
     value = page.get_attribute(f"#{element_id}", "data-value")
     assert value is not None, element_id
     return value
+
+
+def next_scrape(page: Page) -> None:
+    """Wait until the page has read /metrics again."""
+    scrapes = page.get_attribute("body", "data-scrapes")
+    wait_for(page, f"body:not([data-scrapes='{scrapes}'])")
 
 
 def wait_for(page: Page, selector: str) -> None:
@@ -83,7 +90,8 @@ def test_the_page_in_chromium_shows_a_known_workload(server_factory: Any) -> Non
     """A fresh server with --protect-metrics; the page asks for the key, then, fed it, shows
     8 completions of 16 tokens: the totals equal the server's counters, the throughput chart
     rises, TTFT and TPOT have estimates. Leaves a screenshot in docs/dashboard.png."""
-    server = server_factory("llama3", API_KEY, ["--protect-metrics"])
+    args = ["--protect-metrics", "--served-model-name", MODEL_NAME]
+    server = server_factory("llama3", API_KEY, args)
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(
@@ -111,14 +119,18 @@ def test_the_page_in_chromium_shows_a_known_workload(server_factory: Any) -> Non
                     response = server.post(
                         "/v1/completions",
                         {
-                            "model": server.model, "prompt": f"{PREFIX}Request {i} counts to",
+                            "model": MODEL_NAME, "prompt": f"{PREFIX}Request {i} counts to",
                             "max_tokens": MAX_TOKENS, "ignore_eos": True,
                         },
                     )  # fmt: skip
                     assert response.status_code == 200, response.text
 
-                with ThreadPoolExecutor(NUM_REQUESTS) as pool:
-                    list(pool.map(complete, range(NUM_REQUESTS)))
+                # Two waves, a scrape after each (so the charts show both).
+                with ThreadPoolExecutor(NUM_REQUESTS // 2) as pool:
+                    for wave in range(2):
+                        wave_ids = range(wave * NUM_REQUESTS // 2, (wave + 1) * NUM_REQUESTS // 2)
+                        list(pool.map(complete, wave_ids))
+                        next_scrape(page)
                 counters = metrics(server.url)
                 generated = counters["pagedserve:generation_tokens_total"]
                 assert generated == NUM_REQUESTS * MAX_TOKENS
@@ -128,6 +140,7 @@ def test_the_page_in_chromium_shows_a_known_workload(server_factory: Any) -> Non
                 prompt = dom_value(page, "total-prompt-tokens")
                 assert float(prompt) == counters["pagedserve:prompt_tokens_total"] > 0
                 assert dom_value(page, "waiting") == "0"
+                assert page.inner_text("#model") == MODEL_NAME
                 queries = counters["pagedserve:prefix_cache_queries_total"]
                 hits = counters["pagedserve:prefix_cache_hits_total"]
                 assert queries > 0
@@ -145,6 +158,7 @@ def test_the_page_in_chromium_shows_a_known_workload(server_factory: Any) -> Non
                 assert kv and all(0 <= v <= 100 for v in kv)
                 check_quantiles_as_prometheus(page)
                 assert errors == []
+                next_scrape(page)
                 page.screenshot(path=str(SCREENSHOT), full_page=True)
             finally:
                 browser.close()
