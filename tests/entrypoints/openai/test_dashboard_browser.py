@@ -82,6 +82,26 @@ def check_quantiles_as_prometheus(page: Page) -> None:
         )
 
 
+def check_parsing(page: Page) -> None:
+    """The page's parser on the text format's corners: escaped quotes, braces and backslashes
+    in label values, +Inf, exponents, a timestamp after the value, comments."""
+    text = "\n".join(
+        [
+            '# HELP a_bucket help with } and " in it',
+            "# TYPE a_bucket histogram",
+            'a_bucket{x="q\\"}\\\\",le="+Inf"} 3',
+            "b:c_total 1.5e+06 1712345678000",
+            "",
+            'd{le="0.25"} NaN',
+        ]
+    )
+    samples = page.evaluate("(t) => pagedserveDashboard.parsePrometheus(t)", text)
+    assert samples[0] == {"name": "a_bucket", "labels": {"x": 'q"}\\', "le": "+Inf"}, "value": 3}
+    assert samples[1] == {"name": "b:c_total", "labels": {}, "value": 1.5e6}
+    assert samples[2]["name"] == "d" and samples[2]["labels"] == {"le": "0.25"}
+    assert len(samples) == 3
+
+
 @pytest.mark.skipif(
     shutil.which("chromium") is None,
     reason="chromium is not installed (apt-get install chromium; .ci/run installs it)",
@@ -157,6 +177,7 @@ def test_the_page_in_chromium_shows_a_known_workload(server_factory: Any) -> Non
                 kv = [v for v in chart_values(page, "kv-cache", "used") if v is not None]
                 assert kv and all(0 <= v <= 100 for v in kv)
                 check_quantiles_as_prometheus(page)
+                check_parsing(page)
                 assert errors == []
                 next_scrape(page)
                 page.screenshot(path=str(SCREENSHOT), full_page=True)
