@@ -22,6 +22,7 @@ from pagedserve.errors import EngineDeadError, PagedServeError, ServerShuttingDo
 from pagedserve.version import __version__
 
 from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
+from .dashboard import add_dashboard_route
 from .openapi import (
     BODY_ERRORS,
     GENERATION_ERRORS,
@@ -37,6 +38,7 @@ from .operations import (
     ServerLoad,
     add_cors,
     add_operation_routes,
+    open_paths,
 )
 from .protocol import (
     ChatCompletionRequest,
@@ -139,6 +141,7 @@ def build_app(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     root_path: str | None = None,
+    protect_metrics: bool = False,
 ) -> FastAPI:
     """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows; the
     app adds its HTTP metrics to it (server_metrics.instrument_http).
@@ -149,6 +152,8 @@ def build_app(
     reasoning_parser: the engine's --reasoning-parser (None: the engine config's, if any).
     root_path: --root-path, the prefix a proxy serves the API under; requests are served with
     it or without it (RootPathMiddleware).
+    protect_metrics: --protect-metrics, /metrics needs the API key too (/dashboard, a page
+    without data, stays open and asks for the key).
     Raises ValueError when the tokenizer lacks the reasoning parser's marker tokens.
 
     `on_engine_death` (None: keep answering 503) is called once, while the app runs, soon
@@ -175,7 +180,9 @@ def build_app(
     # As vLLM, an empty key is no key (no `Authorization: Bearer ` with nothing after it).
     api_keys = [key for key in ([api_key] if isinstance(api_key, str) else api_key or []) if key]
     if api_keys:  # added late, so it runs early: no body is read for an unauthorized request
-        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+        app.add_middleware(
+            APIKeyMiddleware, api_keys=api_keys, open_paths=open_paths(protect_metrics)
+        )
     # Outermost: a browser's preflight (OPTIONS, no API key) is answered here, and every
     # answer, 401s included, carries the CORS headers the page needs to read it.
     add_cors(app, cors or CorsOptions())
@@ -276,6 +283,7 @@ def build_app(
         return {"version": __version__}
 
     add_metrics_route(app, registry)
+    add_dashboard_route(app)
     return app
 
 
@@ -348,6 +356,7 @@ def run_server(args: argparse.Namespace) -> None:
                 tool_call_parser=args.tool_call_parser,
                 reasoning_parser=args.reasoning_parser,
                 root_path=args.root_path,
+                protect_metrics=args.protect_metrics,
             )
         except ValueError as e:  # e.g. a reasoning parser whose markers the tokenizer lacks
             raise SystemExit(f"pagedserve serve: error: {e}") from None

@@ -78,9 +78,15 @@ class ServerArgs:
     api_key: list[str] | None = option(
         None,
         help="require `Authorization: Bearer KEY` (any of the keys given) on every route but "
-        "/health, /ping and /metrics; an empty key is no key (as vLLM)",
+        "/health, /ping, /metrics and /dashboard; an empty key is no key (as vLLM)",
         default_text="$PAGEDSERVE_API_KEY, else no key",
         cli={"nargs": "+"},
+    )
+    protect_metrics: bool = option(
+        False,
+        help="require the API key on /metrics too (the /dashboard page stays open, holding no "
+        "data, and asks for the key to read /metrics); needs --api-key",
+        cli={"action": "store_true"},
     )
     chat_template: str | None = option(
         None,
@@ -242,6 +248,8 @@ def check_server_args(args: argparse.Namespace) -> None:
     """Raise ValueError for flags that do not go together (vLLM's checks)."""
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.protect_metrics and not args.api_key:
+        raise ValueError("--protect-metrics requires --api-key (or $PAGEDSERVE_API_KEY)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .serving import Engine, error_body
 
-# Reachable without the API key (probes and scrapers).
-OPEN_PATHS = ("/health", "/ping", "/metrics")
+# Reachable without the API key (probes, scrapers, and the dashboard's page, which holds no
+# data: it reads /metrics); /metrics needs the key too with --protect-metrics.
+OPEN_PATHS = ("/health", "/ping", "/metrics", "/dashboard")
+METRICS_PATH = "/metrics"
+
+
+def open_paths(protect_metrics: bool) -> tuple[str, ...]:
+    """The paths the API key does not guard: OPEN_PATHS, less /metrics if `protect_metrics`."""
+    return tuple(p for p in OPEN_PATHS if not (protect_metrics and p == METRICS_PATH))
+
+
 # The routes that generate: what /load counts while they run (a stream until its last chunk).
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -57,15 +66,18 @@ class RootPathMiddleware:
 
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer KEY` for one of `api_keys`, compared in constant
-    time. A plain ASGI middleware (not BaseHTTPMiddleware), so that streaming and disconnects
-    pass through."""
+    time, on every path but `open_paths`. A plain ASGI middleware (not BaseHTTPMiddleware),
+    so that streaming and disconnects pass through."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+    def __init__(
+        self, app: ASGIApp, api_keys: list[str], open_paths: tuple[str, ...] = OPEN_PATHS
+    ) -> None:
         self.app = app
         self.expected = [f"Bearer {key}".encode() for key in api_keys]
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or get_route_path(scope) in OPEN_PATHS:
+        if scope["type"] != "http" or get_route_path(scope) in self.open_paths:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
