@@ -5,7 +5,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.outputs import Logprob
-from pagedserve.sampling_params import BeamSearchParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 # Given the token ids of each running beam (prompt included), return for each the logprobs of
 # its next token: a dict token id -> Logprob holding at least the 2 * beam_width most likely.
@@ -41,6 +41,18 @@ class _BeamSearchInstance:
     beams: list[BeamSearchSequence]
     finished: list[tuple[float, BeamSearchSequence]] = field(default_factory=list)
     done: bool = False
+
+
+def step_params(params: BeamSearchParams) -> SamplingParams:
+    """The SamplingParams of one beam's one-token request in a step: 2 * beam_width logprobs
+    (the candidates), EOS not stopping it (the search decides), no text."""
+    return SamplingParams(
+        temperature=params.temperature,
+        max_tokens=1,
+        logprobs=2 * params.beam_width,
+        ignore_eos=True,
+        detokenize=False,
+    )
 
 
 class BeamSearch:

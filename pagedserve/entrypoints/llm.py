@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from pagedserve.config import DEFAULT_MODEL
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.beam_search import BeamSearchOutput, beam_search
+from pagedserve.engine.beam_search import BeamSearchOutput, beam_search, step_params
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_files import default_sampling_params
@@ -132,19 +132,13 @@ class LLM:
                 f"logprobs per step, more than max_logprobs ({max_logprobs}); lower "
                 f"beam_width or raise max_logprobs"
             )
-        step_params = SamplingParams(
-            temperature=params.temperature,
-            max_tokens=1,
-            logprobs=num_candidates,
-            ignore_eos=True,
-            detokenize=False,
-        )
+        one_token = step_params(params)
 
         bar = tqdm(total=params.max_tokens, desc="Beam search steps", disable=not use_tqdm)
 
         def step(token_ids: list[list[int]]) -> list[dict[int, Logprob]]:
             prompts: list[PromptType] = [{"prompt_token_ids": t} for t in token_ids]
-            outputs = self._run(prompts, [step_params] * len(prompts), use_tqdm=False)
+            outputs = self._run(prompts, [one_token] * len(prompts), use_tqdm=False)
             bar.update(1)
             return [output.outputs[0].logprobs[0] for output in outputs]  # type: ignore[index]
 

@@ -13,10 +13,9 @@ from typing import Any
 from starlette.requests import Request
 
 from pagedserve.beam_search_params import BeamSearchParams
-from pagedserve.engine.beam_search import BeamSearch
+from pagedserve.engine.beam_search import BeamSearch, step_params
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.sampling_params import SamplingParams
 
 from .protocol import SamplingFields
 from .serving import DisconnectWatcher, Engine, OpenAIError, add_requests, final_outputs
@@ -128,18 +127,12 @@ async def beam_search_outputs(
     token_ids = [list(prompt["prompt_token_ids"]) for prompt in prompts]  # type: ignore[index]
     eos_token_ids = _eos_token_ids(engine)
     search = BeamSearch(token_ids, params, eos_token_ids, engine.max_model_len)
-    step_params = SamplingParams(
-        temperature=params.temperature,
-        max_tokens=1,
-        logprobs=num_candidates,
-        ignore_eos=True,
-        detokenize=False,
-    )
+    one_token = step_params(params)
     step = 0
     while beams := search.pending():
         step_prompts: list[PromptType] = [{"prompt_token_ids": beam} for beam in beams]
         streams = add_requests(
-            engine, f"{request_id}-step{step}", step_prompts, step_params, priority, cache_salt
+            engine, f"{request_id}-step{step}", step_prompts, one_token, priority, cache_salt
         )
         watcher = DisconnectWatcher(raw_request, engine, streams)
         outputs = await final_outputs(engine, streams, watcher)
