@@ -87,22 +87,26 @@ def calculate_metrics(
 
 
 def _peaks(outputs: list[RequestOutput]) -> tuple[float, int]:
-    """vLLM's peaks over whole seconds of the run: the most streamed chunks (tokens) in one
-    second, and the most requests in flight during one."""
+    """The most streamed chunks (tokens) in one whole second of the run (vLLM's peak output
+    throughput), and the most requests in flight at one moment (a sweep over their starts
+    and ends; vLLM buckets this by second too, which counts requests that never overlapped)."""
     if not outputs:
         return 0.0, 0
     origin = min(o.start for o in outputs)
-    end = max(o.start + o.latency for o in outputs)
-    seconds = int(end - origin) + 1
+    seconds = int(max(o.start + o.latency for o in outputs) - origin) + 1
     tokens = np.zeros(seconds)
-    active = np.zeros(seconds, dtype=int)
     for o in outputs:
         t = o.start - origin + o.ttft
         for gap in [0.0, *o.itl]:
             t += gap
             tokens[min(int(t), seconds - 1)] += 1
-        active[int(o.start - origin) : int(o.start - origin + o.latency) + 1] += 1
-    return float(tokens.max()), int(active.max())
+    # (time, +1 start / -1 end), an end before a start at the same time
+    events = sorted([(o.start, 1) for o in outputs] + [(o.start + o.latency, -1) for o in outputs])
+    in_flight = peak = 0
+    for _, change in events:
+        in_flight += change
+        peak = max(peak, in_flight)
+    return float(tokens.max()), peak
 
 
 def print_summary(result: dict[str, Any], selected: list[str], percentiles: list[float]) -> None:
