@@ -2,6 +2,8 @@
 JSON whose counts match the workload."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +11,7 @@ import pytest
 
 from pagedserve.entrypoints.cli import main as cli_main
 
-from .conftest import API_KEY, Server
+from .conftest import API_KEY, REPO, Server
 
 
 def run_bench_serve(
@@ -66,3 +68,18 @@ def test_bench_serve_sharegpt_chat(server: Server, tmp_path: Path, capsys: Any) 
     assert result["completed"] == 3 and result["total_output_tokens"] == 15
     assert result["backend"] == "openai-chat" and "p99_tpot_ms" in result
     assert "mean_e2el_ms" not in result  # only the default ttft,tpot,itl
+
+
+def test_serving_script_keeps_its_flags(server: Server) -> None:
+    """benchmarks/serving.py (word prompts, ignore_eos by default) on bench serve's code."""
+    command = [sys.executable, "benchmarks/serving.py", "--base-url", server.url,
+               "--api-key", API_KEY, "--num-prompts", "3", "--request-rate", "30",
+               "--input-len", "12", "--output-len", "5", "--max-concurrency", "2"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "============ Serving Benchmark Result ============" in done.stdout
+    assert "P90 TTFT (ms):" in done.stdout and "P99 E2EL (ms):" in done.stdout
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["completed"] == 3 and summary["total_output_tokens"] == 15
+    assert summary["total_input_tokens"] == 36 and "first_error" not in summary
+    assert summary["p90_ttft_ms"] <= summary["p99_ttft_ms"]
