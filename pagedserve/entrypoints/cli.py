@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage, not the top level's (argparse's default)
         subcommand = _subparsers(parser)[args.command]
+        if getattr(args, "bench_command", None):  # `bench throughput` etc.: one level down
+            subcommand = _subparsers(subcommand)[args.bench_command]
         subcommand.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args))
 

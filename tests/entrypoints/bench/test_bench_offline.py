@@ -77,3 +77,12 @@ def test_latency(tmp_path: Path, capsys: Any) -> None:
 def test_latency_rejects_an_empty_batch(capsys: Any) -> None:
     with pytest.raises(SystemExit, match="--batch-size must be positive"):
         cli_main(["bench", "latency", "--batch-size", "0", *ENGINE])
+
+
+def test_an_unknown_flag_names_the_bench_subcommand(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "serve", "--bogus"])
+    assert exit_info.value.code == 2
+    assert (
+        "pagedserve bench serve: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+    )
