@@ -20,7 +20,8 @@ SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT_LEN, SHAREGPT_MAX_TOTAL_LEN = 4, 1024, 204
 
 
 class DatasetError(ValueError):
-    """A dataset file that cannot be read or parsed; the message is one line for the user."""
+    """A workload that cannot be built (a dataset file that cannot be read or parsed, no
+    tokenizer to count with); the message is one line for the user."""
 
 
 @dataclass

@@ -198,7 +198,15 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     ) as client:
         card = (await client.get("/v1/models")).json()["data"][0]
         model = args.model or card["id"]
-        tokenizer = load_tokenizer(args.tokenizer or args.model or card.get("root") or model)
+        tokenizer_id = args.tokenizer or args.model or card.get("root") or model
+        try:
+            tokenizer = load_tokenizer(tokenizer_id)
+        except (OSError, ValueError) as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DatasetError(
+                f"cannot load the tokenizer {tokenizer_id!r} to count tokens ({reason}); "
+                "pass --tokenizer FOLDER"
+            ) from None
         chat = args.endpoint.endswith("chat/completions")
         requests = sample_requests(args, tokenizer.vocab_size, tokenizer, text_prompts=chat)
         outputs, duration = await benchmark(
@@ -217,11 +225,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "date": timestamp(),
         "backend": "openai-chat" if chat else "openai",
         "model_id": model,
-        "tokenizer_id": args.tokenizer or args.model or card.get("root") or model,
+        "tokenizer_id": tokenizer_id,
         "base_url": base_url,
         "endpoint": args.endpoint,
         "num_prompts": len(requests),
-        "request_rate": args.request_rate,
+        # as vLLM: "inf" (JSON has no infinity)
+        "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         **calculate_metrics(requests, outputs, duration, selected, percentiles),

@@ -116,7 +116,7 @@ def print_summary(result: dict[str, Any], selected: list[str], percentiles: list
     print("{:<40} {:<10}".format("Failed requests:", result["failed"]))
     if result.get("max_concurrency") is not None:
         print("{:<40} {:<10}".format("Maximum request concurrency:", result["max_concurrency"]))
-    if result.get("request_rate", float("inf")) != float("inf"):
+    if result.get("request_rate", "inf") not in ("inf", float("inf")):
         print("{:<40} {:<10.2f}".format("Request rate configured (RPS):", result["request_rate"]))
     rows = (
         ("Benchmark duration (s):", "duration"),

@@ -20,7 +20,12 @@ def run_bench_serve(
     save = ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
     target = ["--base-url", server.url, "--api-key", API_KEY]
     assert cli_main(["bench", "serve", *target, *argv, *save]) == 0
-    return capsys.readouterr().out, json.loads((tmp_path / "r.json").read_text())
+    text = (tmp_path / "r.json").read_text()
+    return capsys.readouterr().out, json.loads(text, parse_constant=reject_non_json)
+
+
+def reject_non_json(name: str) -> None:
+    raise AssertionError(f"the result is not strict JSON: {name}")
 
 
 def test_bench_serve_random_completions(server: Server, tmp_path: Path, capsys: Any) -> None:
@@ -67,7 +72,17 @@ def test_bench_serve_sharegpt_chat(server: Server, tmp_path: Path, capsys: Any) 
     assert "Mean TTFT (ms):" in out and "P99 ITL (ms):" in out and "E2EL" not in out
     assert result["completed"] == 3 and result["total_output_tokens"] == 15
     assert result["backend"] == "openai-chat" and "p99_tpot_ms" in result
+    assert result["request_rate"] == "inf" and result["burstiness"] == 1.0
     assert "mean_e2el_ms" not in result  # only the default ttft,tpot,itl
+
+
+def test_bench_serve_without_a_tokenizer_is_one_line(server: Server, tmp_path: Path) -> None:
+    target = ["--base-url", server.url, "--api-key", API_KEY]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "serve", *target, "--tokenizer", str(tmp_path / "none")])
+    message = str(exit_info.value.code)
+    assert message.startswith("pagedserve bench serve: error: cannot load the tokenizer")
+    assert "--tokenizer FOLDER" in message and "\n" not in message
 
 
 def test_serving_script_keeps_its_flags(server: Server) -> None:
