@@ -1,5 +1,10 @@
 """Offline throughput (vLLM's `bench throughput` semantics), optionally against transformers.
 
+The engine's side is timed and counted by `pagedserve bench throughput`'s code
+(pagedserve/entrypoints/bench/throughput.py), which also has vLLM's datasets (random with
+--random-range-ratio, ShareGPT) and --save-result; this script adds the presets (dummy
+weights of published architectures), "LOW:HIGH" lengths and the transformers baselines.
+
 Random token prompts, fixed or uniformly random input/output lengths, `ignore_eos`. Prints a
 short table and one JSON line. With --hf-sequential it also runs transformers `generate` one
 request at a time on the same model (the classic baseline); with --hf-batch, transformers
@@ -50,6 +55,12 @@ def make_requests(
 
 def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict:
     from pagedserve import LLM, SamplingParams
+    from pagedserve.entrypoints.bench.datasets import SampleRequest
+    from pagedserve.entrypoints.bench.throughput import (
+        print_throughput,
+        run_generate,
+        throughput_metrics,
+    )
 
     kwargs = dict(
         dtype=args.dtype,
@@ -79,13 +90,14 @@ def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
         for _, n in requests
     ]
-    llm.generate(prompts[: min(4, len(prompts))], params[:4], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    run_generate(llm, prompts[:4], params[:4])  # warm-up
+    elapsed, outputs = run_generate(llm, prompts, params)
+    samples = [SampleRequest(ids, len(ids), n) for ids, n in requests]
+    metrics = throughput_metrics(samples, outputs, elapsed)
+    num_out = metrics["total_output_tokens"]
     assert num_out == sum(n for _, n in requests), "ignore_eos must fix output lengths"
     llm.llm_engine.shutdown()
+    print_throughput(metrics)  # `pagedserve bench throughput`'s lines
     return {"seconds": elapsed, "output_tokens": num_out}
 
 

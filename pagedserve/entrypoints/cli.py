@@ -1,4 +1,4 @@
-"""The `pagedserve` command line: generate, serve, chat, complete and run-batch."""
+"""The `pagedserve` command line: generate, serve, chat, complete, run-batch and bench."""
 
 import argparse
 import logging
@@ -6,6 +6,8 @@ import sys
 
 from pagedserve.engine.arg_utils import engine_args_from_namespace
 from pagedserve.entrypoints.argv import normalize_argv
+from pagedserve.entrypoints.bench.cli import add_bench_command
+from pagedserve.entrypoints.model_check import check_local_model
 from pagedserve.entrypoints.openai.cli_args import (
     add_config_flag,
     add_engine_args,
@@ -112,25 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flag(batch)
     add_engine_args(batch.add_argument_group("engine options"))
     batch.set_defaults(func=_run_batch)
+    add_bench_command(sub)
     return parser
-
-
-def check_local_model(model: str | None, command: str) -> None:
-    """End the command with one line, before the web stack, torch or transformers load, when
-    `model` names a local folder that is missing or has no config.json (a name that can be
-    a Hub id is left to the Hub lookup)."""
-    import os
-
-    from pagedserve.engine.hub import looks_like_repo_id
-    from pagedserve.engine.model_files import check_model_folder
-    from pagedserve.errors import UnsupportedModelError
-
-    if model is None or (not os.path.isdir(model) and looks_like_repo_id(model)):
-        return
-    try:
-        check_model_folder(model)
-    except UnsupportedModelError as e:
-        raise SystemExit(f"pagedserve {command}: error: {e}") from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -155,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's usage, not the top level's (argparse's default)
         subcommand = _subparsers(parser)[args.command]
+        if getattr(args, "bench_command", None):  # `bench throughput` etc.: one level down
+            subcommand = _subparsers(subcommand)[args.bench_command]
         subcommand.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args))
 

@@ -1,0 +1,1 @@
+"""`pagedserve bench {throughput,latency,serve}` (vLLM's `vllm bench`): workloads, runs, metrics."""

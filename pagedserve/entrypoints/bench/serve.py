@@ -1,0 +1,264 @@
+"""`pagedserve bench serve`: streamed requests against an OpenAI-compatible server (vLLM's)."""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import numpy as np
+
+from pagedserve.entrypoints.bench.datasets import (
+    DatasetError,
+    SampleRequest,
+    add_dataset_args,
+    read_sharegpt,
+    sample_requests,
+)
+from pagedserve.entrypoints.bench.results import (
+    add_result_args,
+    model_tag,
+    save_result,
+    timestamp,
+)
+from pagedserve.entrypoints.bench.serve_metrics import (
+    METRICS,
+    RequestOutput,
+    calculate_metrics,
+    print_summary,
+)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's `bench serve` flags."""
+    parser.add_argument("--base-url", default=None, help="the server (default: --host, --port)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions"
+    )
+    parser.add_argument("--model", default=None, help="the served model (default: the first)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder (default: --model, else the served root)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default: $OPENAI_API_KEY)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per s (default inf: all at once)",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrivals: 1 = Poisson, < 1 burstier",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight (default: no cap)",
+    )
+    parser.add_argument("--ignore-eos", action="store_true", help="generate every token asked")
+    parser.add_argument("--temperature", type=float, default=None, help="default: the server's")
+    parser.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl",
+        help="comma-separated of ttft, tpot, itl, e2el",
+    )
+    parser.add_argument(
+        "--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 25,50,99"
+    )
+    parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="per request, s")
+    add_dataset_args(parser)
+    add_result_args(parser, output_json=False)
+
+
+async def arrivals(
+    requests: list[SampleRequest], request_rate: float, burstiness: float, seed: int
+) -> AsyncIterator[SampleRequest]:
+    """vLLM's arrivals: gaps drawn from a gamma distribution of shape `burstiness` and mean
+    1 / `request_rate` s (Poisson at burstiness 1); all at once at rate inf."""
+    rng = np.random.default_rng(seed)
+    for request in requests:
+        yield request
+        if request_rate != float("inf"):
+            await asyncio.sleep(rng.gamma(burstiness, 1.0 / (request_rate * burstiness)))
+
+
+async def send_request(
+    client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], request: SampleRequest
+) -> RequestOutput:
+    """Stream one request; time its first chunk with text, the gaps after, and its end."""
+    body = dict(body, max_tokens=request.expected_output_len)
+    if endpoint.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
+    output = RequestOutput(start=time.perf_counter())
+    last, chunks, texts = output.start, 0, []
+    try:
+        async with client.stream("POST", endpoint, json=body) as response:
+            if response.status_code != 200:
+                output.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return output
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    output.error = str(data["error"])
+                    return output
+                if data.get("usage"):
+                    output.output_tokens = data["usage"]["completion_tokens"]
+                text = "".join(_text(choice) for choice in data.get("choices", []))
+                if not text:
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    output.ttft = now - output.start
+                else:
+                    output.itl.append(now - last)
+                last, chunks = now, chunks + 1
+                texts.append(text)
+        output.latency = time.perf_counter() - output.start
+        output.output_tokens = output.output_tokens or chunks
+        output.generated_text = "".join(texts)
+        output.success = chunks > 0
+        output.error = "" if chunks else "no text streamed"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        output.error = repr(e)
+    return output
+
+
+def _text(choice: dict[str, Any]) -> str:
+    return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+
+
+async def benchmark(
+    client: httpx.AsyncClient,
+    endpoint: str,
+    body: dict[str, Any],
+    requests: list[SampleRequest],
+    request_rate: float = float("inf"),
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+) -> tuple[list[RequestOutput], float]:
+    """Send `requests` (each `body` plus its prompt and max_tokens) at the arrival rate,
+    at most `max_concurrency` at once: (outputs in request order, seconds of the run)."""
+    semaphore = asyncio.Semaphore(max_concurrency or max(len(requests), 1))
+
+    async def limited(request: SampleRequest) -> RequestOutput:
+        async with semaphore:
+            return await send_request(client, endpoint, body, request)
+
+    start = time.perf_counter()
+    tasks = []
+    async for request in arrivals(requests, request_rate, burstiness, seed):
+        tasks.append(asyncio.create_task(limited(request)))
+    outputs = await asyncio.gather(*tasks)
+    return list(outputs), time.perf_counter() - start
+
+
+def request_body(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields every request carries: streaming with usage, and the sampling flags."""
+    body: dict[str, Any] = {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True  # vLLM's extension: fixed output lengths
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    return body
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from pagedserve.engine.llm_engine import load_tokenizer
+
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, timeout=args.timeout, limits=limits
+    ) as client:
+        card = (await client.get("/v1/models")).json()["data"][0]
+        model = args.model or card["id"]
+        tokenizer_id = args.tokenizer or args.model or card.get("root") or model
+        try:
+            tokenizer = load_tokenizer(tokenizer_id)
+        except (OSError, ValueError) as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DatasetError(
+                f"cannot load the tokenizer {tokenizer_id!r} to count tokens ({reason}); "
+                "pass --tokenizer FOLDER"
+            ) from None
+        chat = args.endpoint.endswith("chat/completions")
+        requests = sample_requests(args, tokenizer.vocab_size, tokenizer, text_prompts=chat)
+        outputs, duration = await benchmark(
+            client,
+            args.endpoint,
+            request_body(model, args),
+            requests,
+            args.request_rate,
+            args.burstiness,
+            args.max_concurrency,
+            args.seed,
+        )
+    selected = args.percentile_metrics.split(",")
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    result = {
+        "date": timestamp(),
+        "backend": "openai-chat" if chat else "openai",
+        "model_id": model,
+        "tokenizer_id": tokenizer_id,
+        "base_url": base_url,
+        "endpoint": args.endpoint,
+        "num_prompts": len(requests),
+        # as vLLM: "inf" (JSON has no infinity)
+        "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        **calculate_metrics(requests, outputs, duration, selected, percentiles),
+    }
+    print_summary(result, selected, percentiles)
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `bench serve` on parsed flags; a bad dataset or flag ends it with one line."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    known = {key for key, _, _ in METRICS}
+    unknown = set(args.percentile_metrics.split(",")) - known
+    if unknown:
+        raise SystemExit(
+            f"pagedserve bench serve: error: --percentile-metrics takes "
+            f"{', '.join(sorted(known))}, not {', '.join(sorted(unknown))}"
+        )
+    try:
+        if args.dataset_name == "sharegpt" and args.dataset_path:
+            read_sharegpt(args.dataset_path)  # a bad file fails before any request
+        result = asyncio.run(_run(args))
+    except DatasetError as e:
+        raise SystemExit(f"pagedserve bench serve: error: {e}") from None
+    except httpx.HTTPError as e:
+        raise SystemExit(f"pagedserve bench serve: error: cannot reach the server: {e!r}") from None
+    rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+    name = f"{result['backend']}-{rate}qps{concurrency}-{model_tag(result['model_id'])}"
+    save_result(args, result, f"{name}-{result['date']}.json")
+    return 0
