@@ -268,12 +268,22 @@ class LLM:
             engine.abort_request(request_ids)  # nothing half-submitted stays behind
             raise
         outputs: dict[str, RequestOutput] = {}
+        num_in = num_out = 0  # tokens of the finished requests, for the bar's speeds
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 while engine.has_unfinished_requests():
                     for output in engine.step():
                         if output.finished:
                             outputs[output.request_id] = output
+                            if use_tqdm:  # vLLM's estimate: finished requests' tokens
+                                num_in += len(output.prompt_token_ids)
+                                num_out += sum(len(c.token_ids) for c in output.outputs)
+                                elapsed = bar.format_dict["elapsed"] or 1e-9
+                                bar.set_postfix_str(
+                                    f"est. speed input: {num_in / elapsed:.2f} toks/s, "
+                                    f"output: {num_out / elapsed:.2f} toks/s",
+                                    refresh=False,
+                                )
                             bar.update(1)
             except BaseException:
                 # A failed step (or Ctrl-C) must not leave this call's requests behind to

@@ -1,6 +1,7 @@
 """The offline API on the bundled model: inputs, sampling options, stop rules and bad input."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -478,3 +479,17 @@ def test_logprob_tokens_are_spelled_in_context(llm: LLM) -> None:
     assert prompt[0] is None
     texts = [entry[t].decoded_token for t, entry in zip(prompt_ids[1:], prompt[1:], strict=True)]  # type: ignore[index]
     assert texts == ["Once", " upon", " a", " time"]
+
+
+def test_progress_bar_shows_input_and_output_speeds(
+    llm: LLM, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's generate bar: "Processed prompts" with the finished requests' input and output
+    tokens per second."""
+    params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0)
+    llm.generate(["Once upon a time", "The dog"], params, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err
+    assert re.search(r"est\. speed input: [0-9.]+ toks/s, output: [0-9.]+ toks/s", err), err
+    llm.generate(["Once upon a time"], params, use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
