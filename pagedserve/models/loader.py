@@ -133,9 +133,18 @@ def find_safetensors_files(model_path: str) -> list[Path]:
     )
 
 
+def _shards(files: Sequence[Path]) -> Iterator[Path]:
+    """The checkpoint files with vLLM's progress bar ("Loading safetensors checkpoint shards"),
+    on the first rank only (every rank reads the files)."""
+    from tqdm.auto import tqdm
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    yield from tqdm(files, desc="Loading safetensors checkpoint shards", disable=rank != 0)
+
+
 def iterate_safetensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (checkpoint name, CPU tensor) one at a time, so only one tensor is in memory."""
-    for file in files:
+    for file in _shards(files):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
@@ -144,7 +153,7 @@ def iterate_safetensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tens
 def iterate_safetensor_slices(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (checkpoint name, lazy view) one at a time: each weight loader narrows the view to
     its rank's shard, and only that shard is read from the file."""
-    for file in files:
+    for file in _shards(files):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, cast(torch.Tensor, SafetensorsSlice(f.get_slice(name)))

@@ -72,7 +72,12 @@ class CudaGraphRunner:
         # Dummy decode: each request sees one key; nothing is written to the cache.
         self.query_start_loc.copy_(torch.arange(self.max_batch_size + 1, dtype=torch.int32))
         self.seq_lens.fill_(1)
-        for batch_size in reversed(self.sizes):
+        from tqdm.auto import tqdm
+
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        sizes = tqdm(list(reversed(self.sizes)), desc="Capturing CUDA graphs (decode)",
+                     disable=rank != 0)  # fmt: skip
+        for batch_size in sizes:
             metadata = self._metadata(batch_size)
             args = (self.input_ids[:batch_size], self.positions[:batch_size], metadata)
             for _ in range(2):  # warm up: autotuning and lazy initialisation stay out
