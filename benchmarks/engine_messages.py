@@ -218,7 +218,7 @@ def main() -> None:
             fields = step_fields(num, with_logprobs)
             queue_times = [(f["request_id"], 0.01) for f in fields[: max(num // 16, 1)]]
             message = messages.EngineCoreOutputs(
-                new_outputs(fields), stats_new, queue_times, 1.0, 1.01
+                new_outputs(fields), stats_new, queue_times, 1.0, 1.01, 1.6e10, 4.2e12
             )
             new_data = messages.encode(message)
             assert messages.decode_to_server(new_data) == message

@@ -33,6 +33,33 @@ def max_stop_string_chars() -> int:
     return _positive_int("PAGEDSERVE_MAX_STOP_STRING_CHARS", 8192)
 
 
+def peak_bandwidth() -> float | None:
+    """PAGEDSERVE_PEAK_BANDWIDTH: the device's peak memory bandwidth in bytes/s for the MBU
+    figures, overriding the table of known devices (`roofline.DEVICE_PEAKS`); None when
+    unset. Raises ValueError when not a positive number."""
+    return _positive_float("PAGEDSERVE_PEAK_BANDWIDTH")
+
+
+def peak_flops() -> float | None:
+    """PAGEDSERVE_PEAK_FLOPS: the device's peak dense FLOP/s (of the model's dtype) for the
+    MFU figures, overriding `roofline.DEVICE_PEAKS`; None when unset. Raises ValueError when
+    not a positive number."""
+    return _positive_float("PAGEDSERVE_PEAK_FLOPS")
+
+
+def _positive_float(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if not raw:  # empty: unset
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive number, got {raw!r}")
+    return value
+
+
 def _positive_int(name: str, default: int) -> int:
     raw = os.environ.get(name) or str(default)  # empty: unset
     try:

@@ -123,6 +123,10 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False
     queue_times: list[tuple[str, float]]
     scheduled_at: float  # the core's time.monotonic() when the step began
     timestamp: float  # the core's time.monotonic() when the step's outputs were made
+    # The roofline cost of the forward whose outputs these are, on one rank (0: none ran;
+    # see `roofline.step_cost`): bytes it must read, FLOPs it must compute.
+    step_bytes: float = 0.0
+    step_flops: float = 0.0
 
 
 class EngineCoreError(msgspec.Struct, tag="error", array_like=True, gc=False):

@@ -1,5 +1,5 @@
 """Engine metrics: Prometheus collectors with vLLM's names (prefix `pagedserve:`) and the
-periodic stats log line."""
+periodic stats log line; and ours: the steps' roofline figures (MBU, MFU; see `roofline`)."""
 
 import time
 from collections.abc import Callable
@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedserve.messages import EngineCoreOutput, SchedulerStats
+from pagedserve.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from pagedserve.outputs import RequestOutput
+from pagedserve.roofline import Peaks, device_peaks
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = [
@@ -27,6 +28,7 @@ _ITERATION_TOKENS_BUCKETS: list[float] = [
     1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 ]  # fmt: skip
 _N_BUCKETS: list[float] = [1, 2, 5, 10, 20]
+_UTILIZATION_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 
 
 def build_1_2_5_buckets(max_value: int) -> list[float]:
@@ -77,10 +79,23 @@ class EngineMetrics:
     from then to the end of the step that made the first token, decode from there to the end
     of the step that made the last token, inference the two together.
     `max_model_len` (tokens) bounds the buckets of token counts.
+
+    Roofline figures of each step that ran a forward (`record_step_cost`): MBU, the bytes it
+    must read / its seconds / the device's peak bandwidth, and MFU, its FLOPs / its seconds /
+    the peak FLOP/s (fractions; one rank's, on one device's peaks). `peaks` (default: the
+    PAGEDSERVE_PEAK_* variables' only; AsyncLLMEngine sets the core's device's) may be
+    replaced later. Without a peak (a CPU, an unlisted device) its histogram stays empty and
+    its gauge NaN, and the log line leaves it out. A step's seconds are the core's from its
+    start to its outputs; with async scheduling that call waits for the forward launched by
+    the call before, so a single step's figure is approximate, their average is not.
     """
 
     def __init__(
-        self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None
+        self,
+        model_name: str,
+        max_model_len: int,
+        registry: CollectorRegistry | None = None,
+        peaks: Peaks | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = {"model_name": model_name}
@@ -162,6 +177,17 @@ class EngineMetrics:
         self.inference_time = histogram(
             "request_inference_time_seconds", "First scheduled to last token.", _LATENCY_BUCKETS
         )
+        self.step_mbu = histogram(
+            "step_mbu", "Memory-bandwidth utilization of each step (0..1).", _UTILIZATION_BUCKETS
+        )
+        self.step_mfu = histogram(
+            "step_mfu", "Model FLOPs utilization of each step (0..1).", _UTILIZATION_BUCKETS
+        )
+        self.mbu = gauge("mbu", "Memory-bandwidth utilization of the steps of this log interval.")
+        self.mfu = gauge("mfu", "Model FLOPs utilization of the steps of this log interval.")
+        self.mbu.set(float("nan"))
+        self.mfu.set(float("nan"))
+        self.peaks = peaks if peaks is not None else device_peaks(None)
         self._requests: dict[str, _RequestTimes] = {}
         self._sequences: dict[str, _SequenceTimes] = {}  # by engine-core request id
         self._last_totals = SchedulerStats(0, 0, 0.0, 0, 0, 0)
@@ -276,6 +302,27 @@ class EngineMetrics:
             if sequence is not None and sequence.scheduled is None:
                 sequence.scheduled = scheduled_at
 
+    def record_step_cost(self, message: EngineCoreOutputs) -> None:
+        """A step's roofline cost (`step_bytes`, `step_flops`; 0 when no forward ran) over
+        the core's seconds for it (`scheduled_at` to `timestamp`): its MBU and MFU where the
+        peaks are known, and the interval's (total bytes or FLOPs over total seconds) in the
+        gauges."""
+        step_bytes, step_flops = message.step_bytes, message.step_flops
+        seconds = message.timestamp - message.scheduled_at
+        if step_bytes <= 0 or seconds <= 0:
+            return
+        interval = self._log
+        interval.step_bytes += step_bytes
+        interval.step_flops += step_flops
+        interval.step_seconds += seconds
+        bandwidth, flops = self.peaks.bandwidth, self.peaks.flops
+        if bandwidth is not None:
+            self.step_mbu.observe(step_bytes / seconds / bandwidth)
+            self.mbu.set(interval.step_bytes / interval.step_seconds / bandwidth)
+        if flops is not None:
+            self.step_mfu.observe(step_flops / seconds / flops)
+            self.mfu.set(interval.step_flops / interval.step_seconds / flops)
+
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
@@ -300,12 +347,19 @@ class EngineMetrics:
         num_queries = stats.prefix_cache_queries - interval.prefix_cache_queries
         num_hits = stats.prefix_cache_hits - interval.prefix_cache_hits
         hit_rate = 100.0 * num_hits / num_queries if num_queries else 0.0
+        roofline = ""
+        if interval.step_seconds > 0 and self.peaks.bandwidth is not None:
+            mbu = interval.step_bytes / interval.step_seconds / self.peaks.bandwidth
+            roofline += f", MBU: {100.0 * mbu:.1f}%"
+        if interval.step_seconds > 0 and self.peaks.flops is not None:
+            mfu = interval.step_flops / interval.step_seconds / self.peaks.flops
+            roofline += f", MFU: {100.0 * mfu:.1f}%"
         return (
             f"Avg prompt throughput: {interval.num_prompt_tokens / seconds:.1f} tokens/s, "
             f"Avg generation throughput: {interval.num_generation_tokens / seconds:.1f} tokens/s, "
             f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
             f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%, "
-            f"Prefix cache hit rate: {hit_rate:.1f}%"
+            f"Prefix cache hit rate: {hit_rate:.1f}%{roofline}"
         )
 
 
@@ -316,3 +370,6 @@ class _LogInterval:
     prefix_cache_hits: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    step_bytes: float = 0.0  # roofline cost of the interval's steps that ran a forward
+    step_flops: float = 0.0
+    step_seconds: float = 0.0

@@ -1,9 +1,13 @@
 """EngineMetrics on hand-made engine-core messages: the per-request histograms get exactly the
-phases, token counts and parameters of what ran."""
+phases, token counts and parameters of what ran; the steps' MBU and MFU their roofline cost
+over their time and the peaks."""
 
+import math
+
+import pytest
 from prometheus_client import CollectorRegistry
 
-from pagedserve.messages import EngineCoreOutput
+from pagedserve.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from pagedserve.metrics import EngineMetrics, build_1_2_5_buckets
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
@@ -87,3 +91,68 @@ def test_a_failed_request_counts_as_error_and_leaves_no_state() -> None:
     assert value(metrics.registry, "request_success_total", finished_reason="abort") == 0
     assert value(metrics.registry, "request_prefill_time_seconds_count") == 0
     assert not metrics._requests and not metrics._sequences
+
+
+def step(step_bytes: float, step_flops: float, start: float, end: float) -> EngineCoreOutputs:
+    return EngineCoreOutputs(
+        [token("a")], SchedulerStats(1, 0, 0.5, 0, 0, 0), [], start, end, step_bytes, step_flops
+    )
+
+
+@pytest.fixture
+def peaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peaks of 15,300 B/s and 212,800 FLOP/s (on a CPU, where no peak is known)."""
+    monkeypatch.setenv("PAGEDSERVE_PEAK_BANDWIDTH", "15300")
+    monkeypatch.setenv("PAGEDSERVE_PEAK_FLOPS", "212800")
+
+
+@pytest.mark.usefixtures("peaks")
+def test_step_mbu_and_mfu_with_peaks_from_the_environment() -> None:
+    """Step 1: 6120 B and 10,640 FLOPs in 0.5 s: MBU 12,240 / 15,300 = 0.8, MFU 21,280 /
+    212,800 = 0.1. A step that ran no forward counts nothing. Step 2: 7144 B, 199,808 FLOPs in
+    1 s. The interval: 13,264 B in 1.5 s."""
+    metrics = EngineMetrics(MODEL, max_model_len=100)
+    registry = metrics.registry
+    metrics.record_step_cost(step(6120, 10640, 1.0, 1.5))
+    assert value(registry, "step_mbu_sum") == pytest.approx(0.8, rel=1e-12)
+    assert value(registry, "step_mfu_sum") == pytest.approx(0.1, rel=1e-12)
+    assert value(registry, "step_mbu_bucket", le="0.7") == 0
+    assert value(registry, "step_mbu_bucket", le="0.8") == 1
+    assert value(registry, "mbu") == pytest.approx(0.8, rel=1e-12)
+    metrics.record_step_cost(step(0, 0, 2.0, 2.25))
+    assert value(registry, "step_mbu_count") == 1
+    metrics.record_step_cost(step(7144, 199808, 3.0, 4.0))
+    assert value(registry, "step_mbu_count") == 2
+    assert value(registry, "step_mbu_sum") == pytest.approx(0.8 + 7144 / 15300, rel=1e-12)
+    assert value(registry, "mbu") == pytest.approx(13264 / 1.5 / 15300, rel=1e-12)
+    assert value(registry, "mfu") == pytest.approx(210448 / 1.5 / 212800, rel=1e-12)
+
+
+def test_without_peaks_no_utilization(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDSERVE_PEAK_BANDWIDTH", raising=False)
+    monkeypatch.delenv("PAGEDSERVE_PEAK_FLOPS", raising=False)
+    metrics = EngineMetrics(MODEL, max_model_len=100)
+    metrics.record_step_cost(step(6120, 10640, 1.0, 1.5))
+    assert value(metrics.registry, "step_mbu_count") == 0
+    assert value(metrics.registry, "step_mfu_count") == 0
+    assert math.isnan(value(metrics.registry, "mbu"))
+    assert math.isnan(value(metrics.registry, "mfu"))
+    metrics.record_scheduler_stats(SchedulerStats(1, 0, 0.5, 0, 0, 0))
+    line = metrics.log_line(now=time_after_start(metrics, 10.0))
+    assert line is not None and "MBU" not in line and "MFU" not in line
+
+
+def time_after_start(metrics: EngineMetrics, seconds: float) -> float:
+    return metrics._log.start + seconds
+
+
+@pytest.mark.usefixtures("peaks")
+def test_log_line_has_the_intervals_mbu_and_mfu() -> None:
+    metrics = EngineMetrics(MODEL, max_model_len=100)
+    metrics.record_step_cost(step(6120, 10640, 1.0, 1.5))
+    metrics.record_scheduler_stats(SchedulerStats(1, 0, 0.5, 0, 0, 0))
+    line = metrics.log_line(now=time_after_start(metrics, 10.0))
+    assert line is not None and line.endswith(", MBU: 80.0%, MFU: 10.0%")
+    metrics.record_step_cost(step(3060, 0, 2.0, 2.5))  # the next interval's own figures
+    line = metrics.log_line(now=time_after_start(metrics, 10.0))
+    assert line is not None and line.endswith(", MBU: 40.0%, MFU: 0.0%")

@@ -26,6 +26,7 @@ from pagedserve.errors import (
 from pagedserve.messages import EngineCoreOutputs
 from pagedserve.metrics import EngineMetrics
 from pagedserve.outputs import RequestOutput
+from pagedserve.roofline import device_peaks
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class AsyncLLMEngine:
         # The core builds its config from the folders resolved here: a Hub id is looked up
         # (and downloaded) once, in this process.
         self.core = EngineCoreClient(engine_args.resolved(self.config))
+        self.metrics.peaks = device_peaks(self.core.device_name)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> "AsyncLLMEngine":
@@ -300,6 +302,7 @@ class AsyncLLMEngine:
         # First: a sequence scheduled for the first time may finish in this very step.
         self.metrics.record_queue_times(message.queue_times, message.scheduled_at)
         self.metrics.record_outputs(message.outputs, parent_of, now, message.timestamp)
+        self.metrics.record_step_cost(message)
         request_outputs, stopped = self.output_processor.process_outputs(message.outputs)
         if stopped:
             with contextlib.suppress(EngineDeadError):  # the watchdog reports a dead core

@@ -8,11 +8,12 @@ import gc
 import logging
 from typing import Any
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, cuda_index
 from pagedserve.executor.factory import create_executor
 from pagedserve.kv_cache.manager import KVCacheManager, check_fits_cache, max_blocks_held
 from pagedserve.messages import EngineCoreOutput, SchedulerStats
 from pagedserve.request import Request, RequestStatus
+from pagedserve.roofline import model_cost, step_cost
 from pagedserve.scheduler import Scheduler
 from pagedserve.step import AsyncModelRunnerOutput, SchedulerOutput
 from pagedserve.structured_output.manager import StructuredOutputManager
@@ -87,6 +88,19 @@ class EngineCore:
             allocate = self.executor.bitmask_allocator()  # type: ignore[attr-defined]
             if allocate is not None:
                 self.structured_output_manager.use_bitmask_buffers(allocate)
+        # The roofline cost (bytes, FLOPs) of the forwards whose tokens the last `step()`
+        # applied, one rank's; and the device's name (None: a CPU) for its peaks.
+        model = config.model_config
+        self.model_cost = model_cost(
+            model.hf_config,
+            model.dtype,
+            config.cache_config.kv_cache_dtype,
+            model.quantization,
+            model.max_model_len,
+            config.parallel_config.tensor_parallel_size,
+        )
+        self.step_cost = (0.0, 0.0)
+        self.device_name = _device_name(config, self.executor.device_type)
         # Async scheduling: the step launched last, whose tokens are not applied yet.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         # Everything start-up made (modules, weights' Python objects, graphs) lives as long as
@@ -131,6 +145,7 @@ class EngineCore:
         work on N. Stop conditions are then applied one step late: a request that stops at N
         may already be in N+1, whose token for it is dropped.
         """
+        self.step_cost = (0.0, 0.0)
         if not self.async_scheduling:
             return self._step_sync() + self.scheduler.take_pending_outputs()
         outputs = self.scheduler.take_pending_outputs()
@@ -163,6 +178,7 @@ class EngineCore:
             return []
         scheduler_output, launched = self._in_flight
         self._in_flight = None
+        self._add_step_cost(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, launched.result())
 
     def _step_sync(self) -> list[EngineCoreOutput]:
@@ -173,7 +189,19 @@ class EngineCore:
             self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
             return []
         runner_output = self.executor.execute_model(scheduler_output)
+        self._add_step_cost(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _add_step_cost(self, scheduler_output: SchedulerOutput) -> None:
+        """Count a finished forward's roofline cost into `step_cost`."""
+        step_bytes, flops = step_cost(
+            self.model_cost,
+            (
+                (r.num_new_tokens, r.num_computed_tokens + r.num_new_tokens)
+                for r in scheduler_output.scheduled_requests
+            ),
+        )
+        self.step_cost = (self.step_cost[0] + step_bytes, self.step_cost[1] + flops)
 
     def stats(self) -> SchedulerStats:
         """The scheduler's state now (queue lengths, KV cache usage, cumulative counters)."""
@@ -212,3 +240,13 @@ def _structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
         config.structured_outputs_config.reasoning_parser,
         disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace,
     )
+
+
+def _device_name(config: EngineConfig, device_type: str) -> str | None:
+    """The CUDA device's name (torch.cuda.get_device_name()) for its roofline peaks; None
+    on a CPU."""
+    if device_type != "cuda":
+        return None
+    import torch
+
+    return str(torch.cuda.get_device_name(cuda_index(config.device_config.device)))

@@ -83,8 +83,9 @@ class EngineCoreClient:
         ready_writer.close()
         try:
             # The KV cache's size and the model's sliding window (None: none for every
-            # layer), for checking that a request fits before sending it.
-            self.num_blocks, self.sliding_window = self._wait_ready(ready_reader)
+            # layer), for checking that a request fits before sending it; the CUDA device's
+            # name (None: a CPU) for the roofline peaks of the metrics.
+            self.num_blocks, self.sliding_window, self.device_name = self._wait_ready(ready_reader)
         except BaseException:
             self.shutdown()
             raise
@@ -92,7 +93,7 @@ class EngineCoreClient:
             ready_reader.close()
         self._input.connect(input_address)
 
-    def _wait_ready(self, ready_reader: Any) -> tuple[int, int | None]:
+    def _wait_ready(self, ready_reader: Any) -> tuple[int, int | None, str | None]:
         start = time.monotonic()
         while not ready_reader.poll(0.1):
             if not self.process.is_alive():
@@ -113,8 +114,8 @@ class EngineCoreClient:
         logger.info(
             "engine core ready in %.1f s (pid %d)", time.monotonic() - start, self.process.pid
         )
-        num_blocks, sliding_window = payload
-        return int(num_blocks), sliding_window
+        num_blocks, sliding_window, device_name = payload
+        return int(num_blocks), sliding_window, device_name
 
     @property
     def is_alive(self) -> bool:

@@ -20,10 +20,10 @@ its fields in order):
             the outputs were made (both the core's time.monotonic())
         EngineCoreError     ["error", traceback_text]   the loop failed; the process exits
 
-Startup goes over a multiprocessing pipe, once: ("ready", (num_blocks, sliding_window)),
-("invalid", message)
-for a ValueError (a bad option), ("unsupported", message) for a NotImplementedError (a
-checkpoint we cannot run) or ("error", traceback text).
+Startup goes over a multiprocessing pipe, once: ("ready", (num_blocks, sliding_window,
+device_name)) (device_name: the CUDA device's, for its roofline peaks; None on a CPU),
+("invalid", message) for a ValueError (a bad option), ("unsupported", message) for a
+NotImplementedError (a checkpoint we cannot run) or ("error", traceback text).
 The core binds "input" and the server connects to it once the core is ready; the server binds
 "output". Neither side has a high-water mark, so sends never block. The core exits on
 "shutdown", when its parent process is gone (checked while idle), or on an error.
@@ -89,7 +89,7 @@ def run_engine_core(
         else:
             ready_pipe.send(("error", traceback.format_exc()))
         raise SystemExit(1) from None
-    ready_pipe.send(("ready", (core.num_blocks, core.sliding_window)))
+    ready_pipe.send(("ready", (core.num_blocks, core.sliding_window, core.device_name)))
     ready_pipe.close()
     loop.run()
 
@@ -216,7 +216,12 @@ class _CoreLoop:
             if request is None or request.status != RequestStatus.WAITING:
                 queue_times.append((request_id, start - arrival))
                 del self.unscheduled[request_id]
-        self._send(EngineCoreOutputs(outputs, self.core.stats(), queue_times, start, made))
+        step_bytes, step_flops = self.core.step_cost
+        self._send(
+            EngineCoreOutputs(
+                outputs, self.core.stats(), queue_times, start, made, step_bytes, step_flops
+            )
+        )
 
     def _send(self, message: ToServer) -> None:
         """Send without ever blocking for good: a PUSH socket whose peer is gone would wait

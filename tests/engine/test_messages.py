@@ -103,12 +103,13 @@ def test_core_outputs_survive_the_wire() -> None:
         EngineCoreOutput("r3", [], None, None, None, 0, prompt_logprobs),
     ]
     message = EngineCoreOutputs(
-        outputs, SchedulerStats(2, 1, 0.25, 3, 64, 32), [("r", 0.5)], 1.5, 2.5
+        outputs, SchedulerStats(2, 1, 0.25, 3, 64, 32), [("r", 0.5)], 1.5, 2.5, 6.5e9, 2.25e12
     )
     decoded = decode_to_server(encode(message))
     assert decoded == message
     assert isinstance(decoded, EngineCoreOutputs)
     assert isinstance(decoded.stats.kv_cache_usage, float)
+    assert (decoded.step_bytes, decoded.step_flops) == (6.5e9, 2.25e12)
     error = EngineCoreError("Traceback ...")
     assert decode_to_server(encode(error)) == error
 

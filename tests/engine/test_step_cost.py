@@ -1,0 +1,47 @@
+"""The engine core's roofline cost of each step (`EngineCore.step_cost`): exactly
+`roofline.step_cost` of what the step ran, counted in the step that applies its tokens."""
+
+from pathlib import Path
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.roofline import step_cost
+
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+MODEL = str(SHARED / "models" / "tinystories-656k")
+
+
+def make_llm(async_scheduling: bool) -> LLM:
+    return LLM(
+        MODEL,
+        dtype="float32",
+        device="cpu",
+        max_model_len=64,
+        block_size=4,
+        num_gpu_blocks_override=64,
+        max_num_batched_tokens=8,  # chunks the prompt
+        async_scheduling=async_scheduling,
+    )
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_step_cost_is_the_cost_of_the_forwards_applied(async_scheduling: bool) -> None:
+    """A 12-token prompt (2 chunks of 8 and 4 tokens, the second samples) and 3 decode steps:
+    the steps' costs add up to those five forwards', each costing what it ran; nothing when
+    idle."""
+    engine = make_llm(async_scheduling).llm_engine
+    core = engine.engine_core
+    engine.add_request(
+        "r", {"prompt_token_ids": list(range(1, 13))}, SamplingParams(max_tokens=4, ignore_eos=True)
+    )
+    costs = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        costs.append(core.step_cost)
+    forwards = [[(8, 8)], [(4, 12)], [(1, 13)], [(1, 14)], [(1, 15)]]
+    expected = [step_cost(core.model_cost, f) for f in forwards]
+    assert [c for c in costs if c != (0.0, 0.0)] == expected
+    assert core.model_cost.layer_windows == (None,) * len(core.model_cost.layer_windows)
+    engine.step()
+    assert core.step_cost == (0.0, 0.0)
