@@ -104,11 +104,13 @@ async def beam_search_outputs(
     raw_request: Request,
     priority: int = 0,
     cache_salt: str | None = None,
+    truncate_prompt_tokens: int | None = None,
 ) -> list[RequestOutput]:
     """Run beam search for each prompt (dicts with `prompt_token_ids`); one RequestOutput per
     prompt whose `outputs` are its beam_width best sequences, best first, as vLLM's server
     returns them: the text leaves out a final EOS, finish_reason "stop" (EOS) or "length".
-    Every step's requests carry `priority` and `cache_salt`.
+    Every step's requests carry `priority` and `cache_salt`; `truncate_prompt_tokens` keeps
+    the last k prompt tokens (-1: max_model_len), as the engine does for other requests.
 
     Raises OpenAIError 400 if 2 * n exceeds the engine's max_logprobs, and 499 when the client
     leaves (the step's requests are aborted)."""
@@ -125,6 +127,8 @@ async def beam_search_outputs(
         raise OpenAIError(400, "beam search needs token ids: the server has no tokenizer",
                           "use_beam_search")  # fmt: skip
     token_ids = [list(prompt["prompt_token_ids"]) for prompt in prompts]  # type: ignore[index]
+    if truncate_prompt_tokens is not None:
+        token_ids = _truncated(token_ids, truncate_prompt_tokens, engine.max_model_len)
     eos_token_ids = _eos_token_ids(engine)
     search = BeamSearch(token_ids, params, eos_token_ids, engine.max_model_len)
     one_token = step_params(params)
@@ -172,6 +176,23 @@ async def beam_search_outputs(
             )
         )
     return results
+
+
+def _truncated(
+    token_ids: list[list[int]], truncate_prompt_tokens: int, max_model_len: int
+) -> list[list[int]]:
+    """The last `truncate_prompt_tokens` tokens of each prompt (-1: max_model_len), as the
+    engine's InputProcessor keeps them (the step requests must not truncate: their prompts
+    are the growing beams)."""
+    num_kept = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if num_kept > max_model_len:
+        raise OpenAIError(
+            400,
+            f"truncate_prompt_tokens ({num_kept}) is larger than max_model_len "
+            f"({max_model_len}); lower it",
+            "truncate_prompt_tokens",
+        )
+    return [ids[-num_kept:] for ids in token_ids]
 
 
 def _eos_token_ids(engine: Engine) -> tuple[int, ...]:

@@ -152,7 +152,7 @@ class OpenAIServingChat:
             beam = beam_search_params(request, max_tokens, defaults)
             [final] = await beam_search_outputs(
                 self.engine, request_id, [prompt], beam, raw_request, request.priority,
-                request.cache_salt,
+                request.cache_salt, request.truncate_prompt_tokens,
             )  # fmt: skip
             return self._response(request, request_id, int(time.time()), final)
         try:

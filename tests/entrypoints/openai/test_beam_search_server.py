@@ -130,3 +130,22 @@ def test_length_penalty_without_beam_search_is_400(app: InProcessApp) -> None:
     assert app.post("/v1/chat/completions", chat).json()["error"]["param"] == "length_penalty"
     body["length_penalty"] = 1.0
     assert app.post("/v1/completions", body).status_code == 200
+
+
+def test_truncate_prompt_tokens_applies_to_beam_search(app: InProcessApp, offline: LLM) -> None:
+    """The beams continue the prompt's last k tokens, as other requests' truncation (it was
+    silently ignored: the beams continued the whole prompt)."""
+    prompt_ids = offline.get_tokenizer().encode(PROMPT)
+    body = {
+        "prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 4,
+        "truncate_prompt_tokens": 2,
+    }  # fmt: skip
+    response = app.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 2
+    texts = [c["text"] for c in response.json()["choices"]]
+    assert texts == offline_texts(offline, prompt_ids[-2:], 2, max_tokens=4, temperature=1.0)
+    body["truncate_prompt_tokens"] = REAL_MAX_MODEL_LEN + 1
+    response = app.post("/v1/completions", body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "truncate_prompt_tokens"
