@@ -149,3 +149,26 @@ def test_truncate_prompt_tokens_applies_to_beam_search(app: InProcessApp, offlin
     response = app.post("/v1/completions", body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_explicit_max_tokens_that_does_not_fit_is_400(app: InProcessApp) -> None:
+    """As for other requests (it was silently capped: a max_tokens of a million ran beam
+    search to the end of the context); a default max_tokens is still capped."""
+    body = {
+        "prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": REAL_MAX_MODEL_LEN,
+    }  # fmt: skip
+    response = app.post("/v1/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "max_tokens"
+    assert "exceeds max_model_len" in response.json()["error"]["message"]
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = {"messages": messages, "use_beam_search": True, "n": 2, "max_completion_tokens": 10**6}
+    response = app.post("/v1/chat/completions", chat)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "max_completion_tokens"
+    long_prompt = {"prompt": [1] * REAL_MAX_MODEL_LEN, "use_beam_search": True, "n": 2}
+    assert app.post("/v1/completions", long_prompt).json()["error"]["param"] == "prompt"
+    default = {"prompt": [1] * (REAL_MAX_MODEL_LEN - 2), "use_beam_search": True, "n": 2}
+    response = app.post("/v1/completions", default)  # max_tokens 16 left out: capped to 2
+    assert response.status_code == 200, response.text
+    assert all(len(c["text"]) > 0 for c in response.json()["choices"])
