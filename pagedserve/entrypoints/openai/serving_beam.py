@@ -108,12 +108,14 @@ async def beam_search_outputs(
     priority: int = 0,
     cache_salt: str | None = None,
     truncate_prompt_tokens: int | None = None,
+    skip_special_tokens: bool = True,
 ) -> list[RequestOutput]:
     """Run beam search for each prompt (dicts with `prompt_token_ids`); one RequestOutput per
     prompt whose `outputs` are its beam_width best sequences, best first, as vLLM's server
     returns them: the text leaves out a final EOS, finish_reason "stop" (EOS) or "length".
     Every step's requests carry `priority` and `cache_salt`; `truncate_prompt_tokens` keeps
-    the last k prompt tokens (-1: max_model_len), as the engine does for other requests.
+    the last k prompt tokens (-1: max_model_len), as the engine does for other requests;
+    `skip_special_tokens` leaves special tokens out of the text (the request's field).
 
     Raises OpenAIError 400 if 2 * n exceeds the engine's max_logprobs, InvalidRequestError
     for an explicit max_tokens that does not fit after a prompt, and OpenAIError 499 when
@@ -158,7 +160,11 @@ async def beam_search_outputs(
             shown = generated
             if generated and generated[-1] in eos and not params.ignore_eos:
                 shown = generated[:-1]  # vLLM leaves the EOS out of the text
-            text = tokenizer.decode(shown, skip_special_tokens=True) if tokenizer else ""
+            text = (
+                tokenizer.decode(shown, skip_special_tokens=skip_special_tokens)
+                if tokenizer
+                else ""
+            )
             completions.append(
                 CompletionOutput(
                     index=index,

@@ -154,6 +154,7 @@ class OpenAIServingChat:
                 [final] = await beam_search_outputs(
                     self.engine, request_id, [prompt], beam, raw_request, request.priority,
                     request.cache_salt, request.truncate_prompt_tokens,
+                    request.skip_special_tokens,
                 )  # fmt: skip
                 return self._response(request, request_id, int(time.time()), final)
             streams = add_requests(

@@ -172,3 +172,17 @@ def test_explicit_max_tokens_that_does_not_fit_is_400(app: InProcessApp) -> None
     response = app.post("/v1/completions", default)  # max_tokens 16 left out: capped to 2
     assert response.status_code == 200, response.text
     assert all(len(c["text"]) > 0 for c in response.json()["choices"])
+
+
+def test_skip_special_tokens_false_keeps_them_in_beam_text(fake_app: InProcessApp) -> None:
+    """skip_special_tokens was ignored by beam search (its text always left them out). On the
+    fake engine, whose script here is EOS only, each beam is EOS tokens (ignore_eos)."""
+    tokenizer = fake_app.engine.get_tokenizer()
+    fake_app.engine.write([tokenizer.eos_token_id])
+    eos_text = tokenizer.decode([tokenizer.eos_token_id])
+    body = {"prompt": "x", "use_beam_search": True, "n": 1, "ignore_eos": True, "max_tokens": 3}
+    response = fake_app.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == ""
+    response = fake_app.post("/v1/completions", {**body, "skip_special_tokens": False})
+    assert response.json()["choices"][0]["text"] == 3 * eos_text, response.text
