@@ -157,7 +157,7 @@ def _advance(
         if not ends and not last_step and len(instance.beams) < width:
             instance.beams.append(_extend(beam, token_id, entry, cum_logprob))
         elif rank < width and (ends or last_step):
-            score = cum_logprob / math.pow(num_generated, params.length_penalty)
+            score = _score(cum_logprob, num_generated, params.length_penalty)
             instance.finished.append((score, _extend(beam, token_id, entry, cum_logprob)))
         if rank >= width and len(instance.beams) == width:
             break
@@ -175,8 +175,21 @@ def _cannot_improve(
     if len(instance.finished) < params.beam_width:
         return False
     length = instance.max_tokens if params.length_penalty > 0 else num_generated
-    best_possible = instance.beams[0].cum_logprob / math.pow(length, params.length_penalty)
+    best_possible = _score(instance.beams[0].cum_logprob, length, params.length_penalty)
     return best_possible <= instance.finished[-1][0]
+
+
+def _score(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """cum_logprob / length ** length_penalty, for any finite length_penalty: a power too
+    large for a float is infinite (score -0.0), one too small is 0 (score -inf, or 0.0 for a
+    certain sequence)."""
+    try:
+        denominator = math.pow(length, length_penalty)
+    except OverflowError:
+        denominator = math.inf
+    if denominator == 0.0:
+        return -math.inf if cum_logprob < 0 else 0.0
+    return cum_logprob / denominator
 
 
 def _extend(

@@ -100,9 +100,11 @@ class BlockPool:
             block.block_hash = block_hash
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no request references."""
-        for block in self.free_queue.values():
-            self._evict(block)
+        """Forget every cached block: free ones, and those requests still hold (they stay
+        theirs, but no later request hits them, now or once they are freed)."""
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:

@@ -108,9 +108,10 @@ class KVCacheManager:
         return self.block_pool.usage
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no request holds (vLLM's `reset_prefix_cache`, which
-        refuses while any block is in use; blocks that running requests hold stay theirs
-        here, and a later request can still hit those until they are freed)."""
+        """Forget every cached block (vLLM's `reset_prefix_cache`, which refuses while any
+        block is in use): blocks that running requests hold stay theirs, but no later request
+        hits them, neither while they run nor after they are freed. Blocks those requests
+        fill after the reset are indexed as usual."""
         self.block_pool.reset_prefix_cache()
 
     def block_ids(self, request_id: str) -> list[int]:

@@ -167,3 +167,23 @@ def test_requests_with_different_salts_share_no_block() -> None:
         assert num_hits == num_hit_tokens, salt
         assert [b.block_id for b in hits] == ([0, 1] if num_hit_tokens else [])
     manager.check_invariants()
+
+
+def test_reset_prefix_cache_forgets_blocks_that_running_requests_hold() -> None:
+    """Blocks a running request held kept their hash through a reset, so later requests
+    hit them (while it ran, and after it freed them): the reset promised no earlier prefix."""
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    shared = list(range(8))
+    running = make_request("running", shared + [100])
+    assert schedule(manager, running, 9) == [0, 1, 2]
+    manager.reset_prefix_cache()
+    assert manager.get_computed_blocks(make_request("during", shared + [200])) == ([], 0)
+    manager.free(running)
+    assert manager.get_computed_blocks(make_request("after", shared + [300])) == ([], 0)
+    manager.check_invariants()
+    # The cache works as before for what is computed after the reset.
+    again = make_request("again", shared + [400])
+    schedule(manager, again, 9)
+    manager.free(again)
+    hits, num_hit_tokens = manager.get_computed_blocks(make_request("hit", shared + [500]))
+    assert num_hit_tokens == 8

@@ -179,11 +179,28 @@ def sharegpt_requests(
     return requests
 
 
+def check_dataset_args(args: argparse.Namespace) -> None:
+    """Raise DatasetError naming a count flag out of its range (numpy's traceback, or a run
+    of nothing, before)."""
+    for flag, value, least in (
+        ("--num-prompts", args.num_prompts, 1),
+        ("--random-input-len", args.random_input_len, 0),
+        ("--random-output-len", args.random_output_len, 1),
+        ("--random-prefix-len", args.random_prefix_len, 0),
+        ("--sharegpt-output-len", args.sharegpt_output_len, 1),
+    ):
+        if value is not None and value < least:
+            raise DatasetError(f"{flag} must be at least {least}, got {value}")
+    if args.dataset_name == "random" and args.random_input_len + args.random_prefix_len < 1:
+        raise DatasetError("--random-input-len + --random-prefix-len must be at least 1")
+
+
 def sample_requests(
     args: argparse.Namespace, vocab_size: int, tokenizer: Any, text_prompts: bool = False
 ) -> list[SampleRequest]:
     """The requests `add_dataset_args`' flags ask for (a ShareGPT file already checked with
     `read_sharegpt` is read again here; it is small next to the run)."""
+    check_dataset_args(args)
     if args.dataset_name == "sharegpt":
         if not args.dataset_path:
             raise DatasetError("--dataset-name sharegpt needs --dataset-path FILE")

@@ -52,6 +52,7 @@ def print_latency(metrics: dict[str, Any]) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run `bench latency` on parsed flags: random token prompts of --input-len, every
     request --output-len tokens (ignore_eos), --num-iters-warmup then --num-iters batches."""
+    from pagedserve.errors import InvalidRequestError
     from pagedserve.sampling_params import SamplingParams
 
     for name in ("input_len", "output_len", "batch_size", "num_iters"):
@@ -64,24 +65,28 @@ def main(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     ids = rng.integers(0, min(vocab, 10000), size=(args.batch_size, args.input_len)).tolist()
     prompts = [{"prompt_token_ids": row} for row in ids]
-    params = SamplingParams(
-        n=args.n,
-        temperature=1.0,
-        top_p=1.0,
-        ignore_eos=True,
-        max_tokens=args.output_len,
-        detokenize=not args.disable_detokenize,
-    )
+    try:
+        params = SamplingParams(
+            n=args.n,
+            temperature=1.0,
+            top_p=1.0,
+            ignore_eos=True,
+            max_tokens=args.output_len,
+            detokenize=not args.disable_detokenize,
+        )
 
-    def run_to_completion() -> float:
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+        def run_to_completion() -> float:
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            return time.perf_counter() - start
 
-    for _ in range(args.num_iters_warmup):
-        run_to_completion()
-    latencies = [run_to_completion() for _ in range(args.num_iters)]
-    llm.llm_engine.shutdown()
+        for _ in range(args.num_iters_warmup):
+            run_to_completion()
+        latencies = [run_to_completion() for _ in range(args.num_iters)]
+    except InvalidRequestError as e:  # a flag the engine refuses (--n 0, a too long prompt)
+        raise SystemExit(f"pagedserve bench latency: error: {e}") from None
+    finally:
+        llm.llm_engine.shutdown()
     metrics = latency_metrics(latencies)
     print_latency(metrics)
     result = {"date": timestamp(), "model_id": args.model, **metrics}

@@ -95,6 +95,7 @@ def print_throughput(metrics: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run `bench throughput` on parsed flags; dataset errors end it with one line."""
+    from pagedserve.errors import InvalidRequestError
     from pagedserve.sampling_params import SamplingParams
 
     if args.input_len is not None:
@@ -113,19 +114,23 @@ def main(args: argparse.Namespace) -> int:
     prompts = [
         {"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt for r in requests
     ]
-    params = [
-        SamplingParams(
-            n=args.n,
-            temperature=1.0,
-            top_p=1.0,
-            ignore_eos=True,
-            max_tokens=r.expected_output_len,
-            detokenize=not args.disable_detokenize,
-        )
-        for r in requests
-    ]
-    elapsed, outputs = run_generate(llm, prompts, params)
-    llm.llm_engine.shutdown()
+    try:
+        params = [
+            SamplingParams(
+                n=args.n,
+                temperature=1.0,
+                top_p=1.0,
+                ignore_eos=True,
+                max_tokens=r.expected_output_len,
+                detokenize=not args.disable_detokenize,
+            )
+            for r in requests
+        ]
+        elapsed, outputs = run_generate(llm, prompts, params)
+    except InvalidRequestError as e:  # a flag the engine refuses (--n 0, a too long prompt)
+        raise SystemExit(f"pagedserve bench throughput: error: {e}") from None
+    finally:
+        llm.llm_engine.shutdown()
     metrics = throughput_metrics(requests, outputs, elapsed)
     print_throughput(metrics)
     result = {"date": timestamp(), "model_id": args.model, **metrics}

@@ -2,6 +2,7 @@
 OpenAI-compatible server (vLLM's `vllm chat` and `vllm complete`), over the `openai` package."""
 
 import argparse
+import io
 import logging
 import os
 import sys
@@ -99,25 +100,43 @@ def _lines(prompt_text: str) -> Iterable[str]:
             return
 
 
+class NotUTF8Error(ValueError):
+    """A line (or --quick text) that is not valid UTF-8: the request JSON cannot carry it."""
+
+
+def _ask_utf8(ask: Callable[[str], None], text: str) -> None:
+    """`ask(text)`; NotUTF8Error (nothing sent) for a text holding undecodable bytes (as
+    surrogate escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise NotUTF8Error("the text is not valid UTF-8; nothing was sent") from None
+    ask(text)
+
+
 def _converse(
     args: argparse.Namespace, command: str, ask: Callable[[str], None], intro: str
 ) -> int:
     """Ask `--quick` once, or each stdin line until EOF; Ctrl-C ends quietly. A failed call
-    ends `--quick` with status 1 and is reported (the session goes on) interactively."""
+    or a text that is not UTF-8 ends `--quick` with status 1 and is reported (the session
+    goes on) interactively."""
     openai = _openai()
+    failures = (openai.OpenAIError, NotUTF8Error)
     try:
         if args.quick is not None:
             try:
-                ask(args.quick)
-            except openai.OpenAIError as e:
+                _ask_utf8(ask, args.quick)
+            except failures as e:
                 print(f"pagedserve {command}: error: {describe(e, args.url)}", file=sys.stderr)
                 return 1
             return 0
+        if isinstance(sys.stdin, io.TextIOWrapper):  # undecodable bytes: reported, no crash
+            sys.stdin.reconfigure(errors="surrogateescape")
         print(intro)
         for line in _lines("> "):
             try:
-                ask(line)
-            except openai.OpenAIError as e:
+                _ask_utf8(ask, line)
+            except failures as e:
                 print(f"error: {describe(e, args.url)}", file=sys.stderr)
     except KeyboardInterrupt:
         print()

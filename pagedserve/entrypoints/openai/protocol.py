@@ -135,17 +135,19 @@ class SamplingFields(RequestModel):
     mm_processor_kwargs: Any = None
     media_io_kwargs: Any = None
     documents: Any = None
+    echo: Any = None  # vLLM's in chat (prepend the last message); completions implement it
 
 
 UNSUPPORTED_FIELDS = (
     "tools", "tool_choice", "functions", "function_call", "logits_processors",
     "request_id", "return_tokens_as_token_ids",
     "return_token_ids", "prompt_embeds", "kv_transfer_params", "vllm_xargs",
-    "mm_processor_kwargs", "media_io_kwargs", "documents",
+    "mm_processor_kwargs", "media_io_kwargs", "documents", "echo",
 )  # fmt: skip
 
 
 class CompletionRequest(SamplingFields):
+    implemented_fields: ClassVar[tuple[str, ...]] = ("echo",)
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool | None = False

@@ -131,6 +131,7 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "mm_processor_kwargs": (None, {}),
     "media_io_kwargs": (None, {}),
     "documents": (None, []),
+    "echo": (None, False),
 }
 
 
@@ -150,6 +151,8 @@ _WHY_UNSUPPORTED = {
     "mm_processor_kwargs": "is not implemented by pagedserve yet (no multimodal models)",
     "media_io_kwargs": "is not implemented by pagedserve yet (no multimodal models)",
     "documents": "is not implemented by pagedserve yet (RAG documents for the chat template)",
+    "echo": "(vLLM's: prepend the last message to the answer) is not implemented in "
+    "/v1/chat/completions yet",
 }
 
 

@@ -15,7 +15,9 @@ from starlette.requests import Request
 from pagedserve.beam_search_params import BeamSearchParams
 from pagedserve.engine.beam_search import BeamSearch, step_params
 from pagedserve.engine.input_processor import PromptType
+from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import default_max_tokens, is_default_max_tokens
 
 from .protocol import SamplingFields
 from .serving import DisconnectWatcher, Engine, OpenAIError, add_requests, final_outputs
@@ -86,7 +88,8 @@ def beam_search_params(
     try:
         return BeamSearchParams(
             beam_width=request.n,
-            max_tokens=max_tokens if max_tokens is not None else 2**31 - 1,
+            # None: a default that the context caps (BeamSearch caps every max_tokens)
+            max_tokens=default_max_tokens(2**31 - 1) if max_tokens is None else max_tokens,
             ignore_eos=request.ignore_eos,
             temperature=temperature,
             length_penalty=length_penalty,
@@ -104,14 +107,19 @@ async def beam_search_outputs(
     raw_request: Request,
     priority: int = 0,
     cache_salt: str | None = None,
+    truncate_prompt_tokens: int | None = None,
+    skip_special_tokens: bool = True,
 ) -> list[RequestOutput]:
     """Run beam search for each prompt (dicts with `prompt_token_ids`); one RequestOutput per
     prompt whose `outputs` are its beam_width best sequences, best first, as vLLM's server
     returns them: the text leaves out a final EOS, finish_reason "stop" (EOS) or "length".
-    Every step's requests carry `priority` and `cache_salt`.
+    Every step's requests carry `priority` and `cache_salt`; `truncate_prompt_tokens` keeps
+    the last k prompt tokens (-1: max_model_len), as the engine does for other requests;
+    `skip_special_tokens` leaves special tokens out of the text (the request's field).
 
-    Raises OpenAIError 400 if 2 * n exceeds the engine's max_logprobs, and 499 when the client
-    leaves (the step's requests are aborted)."""
+    Raises OpenAIError 400 if 2 * n exceeds the engine's max_logprobs, InvalidRequestError
+    for an explicit max_tokens that does not fit after a prompt, and OpenAIError 499 when
+    the client leaves (the step's requests are aborted)."""
     num_candidates = 2 * params.beam_width
     max_logprobs = getattr(getattr(engine, "input_processor", None), "max_logprobs", None)
     if max_logprobs is not None and num_candidates > max_logprobs:
@@ -125,6 +133,9 @@ async def beam_search_outputs(
         raise OpenAIError(400, "beam search needs token ids: the server has no tokenizer",
                           "use_beam_search")  # fmt: skip
     token_ids = [list(prompt["prompt_token_ids"]) for prompt in prompts]  # type: ignore[index]
+    if truncate_prompt_tokens is not None:
+        token_ids = _truncated(token_ids, truncate_prompt_tokens, engine.max_model_len)
+    _check_max_tokens(token_ids, params.max_tokens, engine.max_model_len)
     eos_token_ids = _eos_token_ids(engine)
     search = BeamSearch(token_ids, params, eos_token_ids, engine.max_model_len)
     one_token = step_params(params)
@@ -149,7 +160,11 @@ async def beam_search_outputs(
             shown = generated
             if generated and generated[-1] in eos and not params.ignore_eos:
                 shown = generated[:-1]  # vLLM leaves the EOS out of the text
-            text = tokenizer.decode(shown, skip_special_tokens=True) if tokenizer else ""
+            text = (
+                tokenizer.decode(shown, skip_special_tokens=skip_special_tokens)
+                if tokenizer
+                else ""
+            )
             completions.append(
                 CompletionOutput(
                     index=index,
@@ -172,6 +187,40 @@ async def beam_search_outputs(
             )
         )
     return results
+
+
+def _check_max_tokens(token_ids: list[list[int]], max_tokens: int, max_model_len: int) -> None:
+    """InvalidRequestError (param max_tokens) for an explicit max_tokens that does not fit
+    after a prompt, as the engine refuses it for other requests (a default one is capped to
+    what the context leaves); a prompt too long by itself is left to the engine's error."""
+    if is_default_max_tokens(max_tokens):
+        return
+    for ids in token_ids:
+        num_tokens = len(ids)
+        if num_tokens < max_model_len and num_tokens + max_tokens > max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_tokens + max_tokens} exceeds max_model_len ({max_model_len}); "
+                f"shorten the prompt or lower max_tokens",
+                "max_tokens",
+            )
+
+
+def _truncated(
+    token_ids: list[list[int]], truncate_prompt_tokens: int, max_model_len: int
+) -> list[list[int]]:
+    """The last `truncate_prompt_tokens` tokens of each prompt (-1: max_model_len), as the
+    engine's InputProcessor keeps them (the step requests must not truncate: their prompts
+    are the growing beams)."""
+    num_kept = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if num_kept > max_model_len:
+        raise OpenAIError(
+            400,
+            f"truncate_prompt_tokens ({num_kept}) is larger than max_model_len "
+            f"({max_model_len}); lower it",
+            "truncate_prompt_tokens",
+        )
+    return [ids[-num_kept:] for ids in token_ids]
 
 
 def _eos_token_ids(engine: Engine) -> tuple[int, ...]:

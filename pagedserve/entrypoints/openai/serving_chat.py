@@ -148,14 +148,15 @@ class OpenAIServingChat:
         apply_tool_params(request, params, self.enable_auto_tools and bool(self.tool_parser))
         request_id = random_id("chatcmpl")
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
-        if request.use_beam_search:
-            beam = beam_search_params(request, max_tokens, defaults)
-            [final] = await beam_search_outputs(
-                self.engine, request_id, [prompt], beam, raw_request, request.priority,
-                request.cache_salt,
-            )  # fmt: skip
-            return self._response(request, request_id, int(time.time()), final)
         try:
+            if request.use_beam_search:
+                beam = beam_search_params(request, max_tokens, defaults)
+                [final] = await beam_search_outputs(
+                    self.engine, request_id, [prompt], beam, raw_request, request.priority,
+                    request.cache_salt, request.truncate_prompt_tokens,
+                    request.skip_special_tokens,
+                )  # fmt: skip
+                return self._response(request, request_id, int(time.time()), final)
             streams = add_requests(
                 self.engine, request_id, [prompt], params, request.priority, request.cache_salt
             )

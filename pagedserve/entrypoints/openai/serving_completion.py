@@ -108,7 +108,8 @@ class OpenAIServingCompletion:
             beam = beam_search_params(request, max_tokens, defaults)
             outputs = await beam_search_outputs(
                 self.engine, request_id, prompts, beam, raw_request, request.priority,
-                request.cache_salt,
+                request.cache_salt, request.truncate_prompt_tokens,
+                request.skip_special_tokens,
             )  # fmt: skip
             return self._response(request, request_id, int(time.time()), outputs)
         streams = add_requests(

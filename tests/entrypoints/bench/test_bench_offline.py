@@ -86,3 +86,25 @@ def test_an_unknown_flag_names_the_bench_subcommand(capsys: Any) -> None:
     assert (
         "pagedserve bench serve: error: unrecognized arguments: --bogus" in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["throughput", "--num-prompts", "-3"], "--num-prompts must be at least 1"),
+        (["throughput", "--num-prompts", "0"], "--num-prompts must be at least 1"),
+        (["throughput", "--random-prefix-len", "-2"], "--random-prefix-len must be at least 0"),
+        (["throughput", "--random-input-len", "0"], "--random-input-len + --random-prefix-len"),
+        (["throughput", "--num-prompts", "2", "--input-len", "4", "--n", "0"], "n must be"),
+        (["throughput", "--num-prompts", "2", "--input-len", "200"], "too long"),
+        (["latency", "--input-len", "200", "--num-iters-warmup", "0"], "too long"),
+        (["latency", "--n", "0", "--num-iters-warmup", "0"], "n must be"),
+    ],
+)
+def test_bad_counts_are_one_line(argv: list[str], words: str) -> None:
+    """They were tracebacks (numpy's ValueError, the engine's InvalidRequestError), or a
+    benchmark of no request."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", *argv, *ENGINE])
+    message = str(exit_info.value.code)
+    assert message.startswith(f"pagedserve bench {argv[0]}: error: ") and words in message

@@ -130,3 +130,59 @@ def test_length_penalty_without_beam_search_is_400(app: InProcessApp) -> None:
     assert app.post("/v1/chat/completions", chat).json()["error"]["param"] == "length_penalty"
     body["length_penalty"] = 1.0
     assert app.post("/v1/completions", body).status_code == 200
+
+
+def test_truncate_prompt_tokens_applies_to_beam_search(app: InProcessApp, offline: LLM) -> None:
+    """The beams continue the prompt's last k tokens, as other requests' truncation (it was
+    silently ignored: the beams continued the whole prompt)."""
+    prompt_ids = offline.get_tokenizer().encode(PROMPT)
+    body = {
+        "prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 4,
+        "truncate_prompt_tokens": 2,
+    }  # fmt: skip
+    response = app.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == 2
+    texts = [c["text"] for c in response.json()["choices"]]
+    assert texts == offline_texts(offline, prompt_ids[-2:], 2, max_tokens=4, temperature=1.0)
+    body["truncate_prompt_tokens"] = REAL_MAX_MODEL_LEN + 1
+    response = app.post("/v1/completions", body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_explicit_max_tokens_that_does_not_fit_is_400(app: InProcessApp) -> None:
+    """As for other requests (it was silently capped: a max_tokens of a million ran beam
+    search to the end of the context); a default max_tokens is still capped."""
+    body = {
+        "prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": REAL_MAX_MODEL_LEN,
+    }  # fmt: skip
+    response = app.post("/v1/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "max_tokens"
+    assert "exceeds max_model_len" in response.json()["error"]["message"]
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = {"messages": messages, "use_beam_search": True, "n": 2, "max_completion_tokens": 10**6}
+    response = app.post("/v1/chat/completions", chat)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "max_completion_tokens"
+    long_prompt = {"prompt": [1] * REAL_MAX_MODEL_LEN, "use_beam_search": True, "n": 2}
+    assert app.post("/v1/completions", long_prompt).json()["error"]["param"] == "prompt"
+    default = {"prompt": [1] * (REAL_MAX_MODEL_LEN - 2), "use_beam_search": True, "n": 2}
+    response = app.post("/v1/completions", default)  # max_tokens 16 left out: capped to 2
+    assert response.status_code == 200, response.text
+    assert all(len(c["text"]) > 0 for c in response.json()["choices"])
+
+
+def test_skip_special_tokens_false_keeps_them_in_beam_text(fake_app: InProcessApp) -> None:
+    """skip_special_tokens was ignored by beam search (its text always left them out). On the
+    fake engine, whose script here is EOS only, each beam is EOS tokens (ignore_eos)."""
+    tokenizer = fake_app.engine.get_tokenizer()
+    fake_app.engine.write([tokenizer.eos_token_id])
+    eos_text = tokenizer.decode([tokenizer.eos_token_id])
+    body = {"prompt": "x", "use_beam_search": True, "n": 1, "ignore_eos": True, "max_tokens": 3}
+    response = fake_app.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == ""
+    response = fake_app.post("/v1/completions", {**body, "skip_special_tokens": False})
+    assert response.json()["choices"][0]["text"] == 3 * eos_text, response.text

@@ -185,6 +185,27 @@ def test_interactive_complete_sends_each_line(recorder: Any) -> None:
     assert "> reply-1\n" in done.stdout and "> reply-2\n" in done.stdout
 
 
+def test_a_line_that_is_not_utf8_is_reported_and_the_session_goes_on(recorder: Any) -> None:
+    """Undecodable stdin bytes crashed the client (UnicodeEncodeError building the request,
+    or UnicodeDecodeError reading the line), ending the session with a traceback."""
+    url, bodies = recorder
+    command = [sys.executable, "-m", "pagedserve.entrypoints.cli", "complete", "--url", url]
+    for locale in ("C.UTF-8", "C"):
+        bodies.clear()
+        env = dict(ENV, LC_ALL=locale)
+        done = subprocess.run(
+            command, input=b"one\n\xff\xfe bad\ntwo\n", capture_output=True, env=env,
+            timeout=60,
+        )  # fmt: skip
+        stderr = done.stderr.decode(errors="replace")
+        assert done.returncode == 0 and "Traceback" not in stderr, stderr
+        assert "error: the text is not valid UTF-8" in stderr
+        assert [b["prompt"] for b in bodies] == ["one", "two"]
+    quick = [*command, "-q", os.fsdecode(b"\xff")]
+    done = subprocess.run(quick, capture_output=True, env=ENV, timeout=60)
+    assert done.returncode == 1 and b"not valid UTF-8" in done.stderr, done.stderr
+
+
 def test_ctrl_c_ends_quietly(recorder: Any) -> None:
     url, _ = recorder
     command = [sys.executable, "-m", "pagedserve.entrypoints.cli", "chat", "--url", url]

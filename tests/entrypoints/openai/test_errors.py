@@ -155,6 +155,19 @@ def test_unimplemented_vllm_extras_are_400_naming_them(
     assert fake_app.post(route, {**base, name: no_op}).status_code == 200
 
 
+def test_chat_echo_is_400_naming_it(fake_app: InProcessApp) -> None:
+    """vLLM's chat `echo` (prepend the last message to the answer) was silently ignored;
+    false is fine, and completions implement echo."""
+    base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for stream in (False, True):
+        body = {**base, "echo": True, "stream": stream}
+        error = assert_error(fake_app.post("/v1/chat/completions", body), 400, "echo")
+        assert error["param"] == "echo"
+    assert fake_app.post("/v1/chat/completions", {**base, "echo": False}).status_code == 200
+    completion = {"prompt": "x", "max_tokens": 2, "echo": True}
+    assert fake_app.post("/v1/completions", completion).json()["choices"][0]["text"][0] == "x"
+
+
 def test_no_op_values_of_unimplemented_fields_are_fine(fake_app: InProcessApp) -> None:
     """What clients send by default asks for nothing and must keep working."""
     no_ops = {"response_format": {"type": "text"}, "tools": [], "logits_processors": []}
