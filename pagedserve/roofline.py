@@ -84,6 +84,23 @@ def dtype_bytes(dtype: Any) -> int:
     return _DTYPE_BYTES.get(name, 2)
 
 
+# Model types whose MLP is two matrices (up, down), not gated (gate, up, down).
+_PLAIN_MLP_MODELS = frozenset({
+    "gpt2", "gptj", "gpt_neo", "gpt_neox", "gpt_bigcode", "opt", "bloom", "falcon", "phi",
+    "starcoder2", "codegen", "mpt",
+})  # fmt: skip
+
+
+def _mlp_width(config: Any, hidden: int) -> int:
+    """The MLP's inner width under the names configs give it (intermediate_size; OPT's
+    ffn_dim; GPT-2/GPT-J's n_inner, None meaning 4 x hidden)."""
+    for name in ("intermediate_size", "ffn_dim", "n_inner"):
+        width = getattr(config, name, None)
+        if width:
+            return int(width)
+    return 4 * hidden
+
+
 def model_cost(
     hf_config: Any,
     dtype: str,
@@ -105,14 +122,14 @@ def model_cost(
     vocab = config.vocab_size
     attention = hidden * head_dim * (2 * num_heads + 2 * num_kv_heads)
     num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
-    if getattr(config, "model_type", "") == "gpt2":
-        mlp = 2 * hidden * (getattr(config, "n_inner", None) or 4 * hidden)
+    if getattr(config, "model_type", "") in _PLAIN_MLP_MODELS:
+        mlp = 2 * hidden * _mlp_width(config, hidden)
     elif num_experts:
-        expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        expert = getattr(config, "moe_intermediate_size", None) or _mlp_width(config, hidden)
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
         mlp = 3 * hidden * (num_experts * expert + shared) + hidden * num_experts
     else:
-        mlp = 3 * hidden * config.intermediate_size
+        mlp = 3 * hidden * _mlp_width(config, hidden)
     num_params = num_layers * (attention + mlp)
     tied = getattr(config, "tie_word_embeddings", getattr(hf_config, "tie_word_embeddings", True))
     num_embedding = vocab * hidden * (1 if tied else 2)

@@ -103,3 +103,18 @@ def test_peaks_of_known_devices_and_overrides(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PAGEDSERVE_PEAK_FLOPS", "-3")
     with pytest.raises(ValueError, match="PAGEDSERVE_PEAK_FLOPS"):
         device_peaks(None)
+
+
+def test_configs_without_intermediate_size() -> None:
+    """The transformers backend's models name their MLP width otherwise (OPT's ffn_dim, GPT-J's
+    n_inner, None = 4 x hidden); model_cost once raised AttributeError for them, at engine
+    start. Both have a two-matrix MLP."""
+    import transformers
+
+    opt = transformers.OPTConfig(hidden_size=32, ffn_dim=96, num_hidden_layers=2,
+                                 num_attention_heads=4, vocab_size=100)  # fmt: skip
+    gptj = transformers.GPTJConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_inner=None)
+    for config, width in ((opt, 96), (gptj, 128)):
+        cost = model_cost(config, "float32", "auto", None, 64)
+        attention = 32 * 8 * (2 * 4 + 2 * 4)
+        assert cost.num_params == 2 * (attention + 2 * 32 * width)

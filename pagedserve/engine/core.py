@@ -13,7 +13,7 @@ from pagedserve.executor.factory import create_executor
 from pagedserve.kv_cache.manager import KVCacheManager, check_fits_cache, max_blocks_held
 from pagedserve.messages import EngineCoreOutput, SchedulerStats
 from pagedserve.request import Request, RequestStatus
-from pagedserve.roofline import model_cost, step_cost
+from pagedserve.roofline import ModelCost, model_cost, step_cost
 from pagedserve.scheduler import Scheduler
 from pagedserve.step import AsyncModelRunnerOutput, SchedulerOutput
 from pagedserve.structured_output.manager import StructuredOutputManager
@@ -91,14 +91,21 @@ class EngineCore:
         # The roofline cost (bytes, FLOPs) of the forwards whose tokens the last `step()`
         # applied, one rank's; and the device's name (None: a CPU) for its peaks.
         model = config.model_config
-        self.model_cost = model_cost(
-            model.hf_config,
-            model.dtype,
-            config.cache_config.kv_cache_dtype,
-            model.quantization,
-            model.max_model_len,
-            config.parallel_config.tensor_parallel_size,
-        )
+        self.model_cost: ModelCost | None
+        try:
+            self.model_cost = model_cost(
+                model.hf_config,
+                model.dtype,
+                config.cache_config.kv_cache_dtype,
+                model.quantization,
+                model.max_model_len,
+                config.parallel_config.tensor_parallel_size,
+            )
+        except (AttributeError, TypeError, ValueError, ZeroDivisionError) as e:
+            # A figure for the metrics must never stop the engine (configs of the
+            # transformers backend name their sizes in many ways).
+            logger.info("no MBU/MFU figures: the model's config does not give its sizes (%s)", e)
+            self.model_cost = None
         self.step_cost = (0.0, 0.0)
         self.device_name = _device_name(config, self.executor.device_type)
         # Async scheduling: the step launched last, whose tokens are not applied yet.
@@ -193,7 +200,10 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _add_step_cost(self, scheduler_output: SchedulerOutput) -> None:
-        """Count a finished forward's roofline cost into `step_cost`."""
+        """Count a finished forward's roofline cost into `step_cost` (nothing without a
+        `model_cost`)."""
+        if self.model_cost is None:
+            return
         step_bytes, flops = step_cost(
             self.model_cost,
             (
