@@ -83,14 +83,16 @@ def run_once(llm: Any, prompts: list, output_len: int, schema: dict | None, seed
 
 class PhaseClock:
     """`--phases`: host milliseconds per engine step spent in each phase of the step loop,
-    by wrapping the engine's methods (no device syncs added: the wait for the device shows in
-    `wait_result`). Nested phases overlap: `finish_in_flight` holds `wait_result` and
-    `update_from_output`, which holds `accept_tokens`; `deferred_fill` holds `fill`."""
+    by wrapping the engine's methods with step_profile.py's StepClock (no device syncs added:
+    the wait for the device shows in `wait_result`). Nested phases overlap: `finish_in_flight`
+    holds `wait_result` and `update_from_output`, which holds `accept_tokens`;
+    `deferred_fill` holds `fill`."""
 
     def __init__(self, llm: Any) -> None:
+        from benchmarks.step_profile import StepClock
         from pagedserve.step import AsyncModelRunnerOutput
 
-        self.totals: dict[str, float] = {}
+        self.clock = StepClock()
         core = llm.llm_engine.engine_core
         manager = core.structured_output_manager
         targets = [
@@ -109,37 +111,16 @@ class PhaseClock:
         ]
         for name, owner, attr in targets:
             if hasattr(owner, attr):
-                setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
-        result = AsyncModelRunnerOutput.result
-        clock = self
-
-        def timed_result(output: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return result(output)
-            finally:
-                clock.add("wait_result", time.perf_counter() - start)
-
-        AsyncModelRunnerOutput.result = timed_result  # type: ignore[method-assign]
-
-    def add(self, name: str, seconds: float) -> None:
-        self.totals[name] = self.totals.get(name, 0.0) + seconds
-
-    def _wrap(self, name: str, fn: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.add(name, time.perf_counter() - start)
-
-        return timed
+                setattr(owner, attr, self.clock.wrap(name, getattr(owner, attr)))
+        AsyncModelRunnerOutput.result = self.clock.wrap(  # type: ignore[method-assign]
+            "wait_result", AsyncModelRunnerOutput.result
+        )
 
     def report(self, label: str, num_steps: int) -> None:
         """Print ms per step of each phase since the last report, then start again."""
-        parts = [f"{k} {1e3 * v / max(num_steps, 1):.2f}" for k, v in self.totals.items()]
+        parts = [f"{k} {1e3 * v / max(num_steps, 1):.2f}" for k, v in self.clock.phases.items()]
         print(f"  phases ({label}, ms per step over {num_steps} steps): " + ", ".join(parts))
-        self.totals = {}
+        self.clock.phases.clear()
 
 
 def compile_seconds(llm: Any, schemas: list[dict]) -> float:

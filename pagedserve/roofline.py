@@ -28,7 +28,7 @@ rank's: the model's divided by the TP size (kv heads at least one per rank).
 """
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve import envs
@@ -45,6 +45,14 @@ class ModelCost:
     head_dim: int
     kv_dtype_bytes: float  # bytes of one K or V element in the cache
     layer_windows: tuple[int | None, ...]  # each layer's sliding window (None: full)
+    # layer_windows grouped, (window, number of layers) each: step_cost runs every step
+    window_layers: tuple[tuple[int | None, int], ...] = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        counts: dict[int | None, int] = {}
+        for window in self.layer_windows:
+            counts[window] = counts.get(window, 0) + 1
+        object.__setattr__(self, "window_layers", tuple(counts.items()))
 
 
 def step_cost(model: ModelCost, sequences: Iterable[tuple[int, int]]) -> tuple[float, float]:
@@ -52,13 +60,10 @@ def step_cost(model: ModelCost, sequences: Iterable[tuple[int, int]]) -> tuple[f
     tokens after the step) each. A step with no sequence costs nothing (no forward runs)."""
     kv_bytes_per_key = 2 * model.num_kv_heads * model.head_dim * model.kv_dtype_bytes
     attn_flops_per_key = 4 * model.num_heads * model.head_dim
-    windows: dict[int | None, int] = {}  # window -> number of layers
-    for window in model.layer_windows:
-        windows[window] = windows.get(window, 0) + 1
     num_tokens = num_keys_read = num_pairs = 0
     for num_new, context in sequences:
         num_tokens += num_new
-        for window, num_layers in windows.items():
+        for window, num_layers in model.window_layers:
             if window is None:
                 keys_read, keys_seen = context, context
             else:

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.config import LOAD_FORMATS
-from pagedserve.distributed.parallel_state import get_tp_size
+from pagedserve.distributed.parallel_state import get_tp_rank, get_tp_size
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.norm import RMSNorm
@@ -138,7 +138,7 @@ def _shards(files: Sequence[Path]) -> Iterator[Path]:
     on the first rank only (every rank reads the files)."""
     from tqdm.auto import tqdm
 
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank = get_tp_rank()
     yield from tqdm(files, desc="Loading safetensors checkpoint shards", disable=rank != 0)
 
 

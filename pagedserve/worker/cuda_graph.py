@@ -5,6 +5,7 @@ import logging
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.distributed.parallel_state import get_tp_rank
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class CudaGraphRunner:
         self.seq_lens.fill_(1)
         from tqdm.auto import tqdm
 
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        rank = get_tp_rank()
         sizes = tqdm(list(reversed(self.sizes)), desc="Capturing CUDA graphs (decode)",
                      disable=rank != 0)  # fmt: skip
         for batch_size in sizes:
