@@ -138,7 +138,8 @@ def model_cost(
     num_params = num_layers * (attention + mlp)
     tied = getattr(config, "tie_word_embeddings", getattr(hf_config, "tie_word_embeddings", True))
     num_embedding = vocab * hidden * (1 if tied else 2)
-    checkpoint_dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+    # dtype first: transformers 5 warns on reading torch_dtype (as runner_setup reads it)
+    checkpoint_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     param_bytes = dtype_bytes(checkpoint_dtype if dtype == "auto" else dtype)
     bits = quant_bits(hf_config, quantization)
     linear_bytes = param_bytes if bits is None else bits / 8
