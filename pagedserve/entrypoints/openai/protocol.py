@@ -70,7 +70,7 @@ class UsageInfo(OpenAIModel):
 class SamplingFields(RequestModel):
     """Fields that completions and chat share: OpenAI's, then vLLM's extras."""
 
-    # Fields of UNSUPPORTED_FIELDS that this kind of request implements.
+    # Fields of serving._UNSUPPORTED (check_unsupported) that this kind of request implements.
     implemented_fields: ClassVar[tuple[str, ...]] = ()
 
     model: str | None = None
@@ -136,14 +136,6 @@ class SamplingFields(RequestModel):
     media_io_kwargs: Any = None
     documents: Any = None
     echo: Any = None  # vLLM's in chat (prepend the last message); completions implement it
-
-
-UNSUPPORTED_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "logits_processors",
-    "request_id", "return_tokens_as_token_ids",
-    "return_token_ids", "prompt_embeds", "kv_transfer_params", "vllm_xargs",
-    "mm_processor_kwargs", "media_io_kwargs", "documents", "echo",
-)  # fmt: skip
 
 
 class CompletionRequest(SamplingFields):

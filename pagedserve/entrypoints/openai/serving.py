@@ -21,7 +21,6 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams, default_max_tokens
 
 from .protocol import (
-    UNSUPPORTED_FIELDS,
     ChatCompletionStreamResponse,
     CompletionStreamResponse,
     ErrorInfo,
@@ -117,59 +116,70 @@ def _logit_bias(request: SamplingFields) -> dict[int, float] | None:
         raise OpenAIError(400, "logit_bias keys must be token ids", "logit_bias") from None
 
 
-# Values of the unimplemented fields that ask for nothing (clients send them by default).
-_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "functions": (None, []),
-    "function_call": (None, "none", "auto"),
-    "logits_processors": (None, []),
-    "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
-    "kv_transfer_params": (None, {}),
-    "vllm_xargs": (None, {}),
-    "mm_processor_kwargs": (None, {}),
-    "media_io_kwargs": (None, {}),
-    "documents": (None, []),
-    "echo": (None, False),
-}
-
-
-_WHY_UNSUPPORTED = {
-    "tools": "is not supported in /v1/completions (tool calling is in /v1/chat/completions)",
-    "tool_choice": "is not supported in /v1/completions (tool calling is in /v1/chat/completions)",
-    "functions": "(OpenAI's deprecated form of tools) is not implemented; use tools",
-    "function_call": "(OpenAI's deprecated form of tool_choice) is not implemented; use "
-    "tool_choice",
-    "logits_processors": "is not implemented by pagedserve yet (custom logits processors)",
-    "request_id": "(vLLM's caller-chosen request id) is not implemented by pagedserve yet",
-    "return_tokens_as_token_ids": "is not implemented by pagedserve yet",
-    "return_token_ids": "is not implemented by pagedserve yet",
-    "prompt_embeds": "is not implemented by pagedserve yet (prompts are text or token ids)",
-    "kv_transfer_params": "is not implemented by pagedserve (no disaggregated prefill)",
-    "vllm_xargs": "is not implemented by pagedserve (no custom extensions)",
-    "mm_processor_kwargs": "is not implemented by pagedserve yet (no multimodal models)",
-    "media_io_kwargs": "is not implemented by pagedserve yet (no multimodal models)",
-    "documents": "is not implemented by pagedserve yet (RAG documents for the chat template)",
-    "echo": "(vLLM's: prepend the last message to the answer) is not implemented in "
-    "/v1/chat/completions yet",
+# The fields some kind of request does not implement (a kind that does lists them in its
+# `implemented_fields`): why, and the values that ask for nothing (clients send them by
+# default), None where no list is given.
+_UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "tools": (
+        "is not supported in /v1/completions (tool calling is in /v1/chat/completions)",
+        (None, []),
+    ),
+    "tool_choice": (
+        "is not supported in /v1/completions (tool calling is in /v1/chat/completions)",
+        (None, "none", "auto"),
+    ),
+    "functions": ("(OpenAI's deprecated form of tools) is not implemented; use tools", (None, [])),
+    "function_call": (
+        "(OpenAI's deprecated form of tool_choice) is not implemented; use tool_choice",
+        (None, "none", "auto"),
+    ),
+    "logits_processors": (
+        "is not implemented by pagedserve yet (custom logits processors)",
+        (None, []),
+    ),
+    "request_id": (
+        "(vLLM's caller-chosen request id) is not implemented by pagedserve yet",
+        (None,),
+    ),
+    "return_tokens_as_token_ids": ("is not implemented by pagedserve yet", (None, False)),
+    "return_token_ids": ("is not implemented by pagedserve yet", (None, False)),
+    "prompt_embeds": (
+        "is not implemented by pagedserve yet (prompts are text or token ids)",
+        (None,),
+    ),
+    "kv_transfer_params": (
+        "is not implemented by pagedserve (no disaggregated prefill)",
+        (None, {}),
+    ),
+    "vllm_xargs": ("is not implemented by pagedserve (no custom extensions)", (None, {})),
+    "mm_processor_kwargs": (
+        "is not implemented by pagedserve yet (no multimodal models)",
+        (None, {}),
+    ),
+    "media_io_kwargs": ("is not implemented by pagedserve yet (no multimodal models)", (None, {})),
+    "documents": (
+        "is not implemented by pagedserve yet (RAG documents for the chat template)",
+        (None, []),
+    ),
+    "echo": (
+        "(vLLM's: prepend the last message to the answer) is not implemented in "
+        "/v1/chat/completions yet",
+        (None, False),
+    ),
 }
 
 
 def check_unsupported(request: SamplingFields) -> None:
-    """400 for the UNSUPPORTED_FIELDS that this kind of request does not implement (tools in
+    """400 for the _UNSUPPORTED fields that this kind of request does not implement (tools in
     /v1/completions, the deprecated functions, custom logits processors): serving such a
     request without them would return output that silently breaks the asked-for format."""
-    for name in UNSUPPORTED_FIELDS:
+    for name, (why, no_ops) in _UNSUPPORTED.items():
         if name in request.implemented_fields:
             continue
-        value = getattr(request, name)
         if name == "tools" and request.tool_choice == "none":
             continue  # tools the model must not call: a plain answer, as vLLM gives
-        if value not in _NO_OP_VALUES.get(name, (None,)):
-            raise OpenAIError(
-                400, f"{name} {_WHY_UNSUPPORTED[name]}; remove it from the request", name
-            )
+        if getattr(request, name) not in no_ops:
+            raise OpenAIError(400, f"{name} {why}; remove it from the request", name)
 
 
 def check_stream_options(request: SamplingFields) -> None:
