@@ -70,7 +70,7 @@ class UsageInfo(OpenAIModel):
 class SamplingFields(RequestModel):
     """Fields that completions and chat share: OpenAI's, then vLLM's extras."""
 
-    # Fields of serving._UNSUPPORTED (check_unsupported) that this kind of request implements.
+    # Fields of request_params._UNSUPPORTED (check_unsupported) that this kind implements.
     implemented_fields: ClassVar[tuple[str, ...]] = ()
 
     model: str | None = None

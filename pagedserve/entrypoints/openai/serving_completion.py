@@ -26,17 +26,16 @@ from .protocol import (
     CompletionStreamResponse,
     random_id,
 )
+from .request_params import default_max_tokens_of, sampling_params
 from .serving import (
     DisconnectWatcher,
     Engine,
     OpenAIError,
     add_requests,
     check_model,
-    default_max_tokens_of,
     final_outputs,
     guarded_stream,
     merge_streams,
-    sampling_params,
     sse,
     stream_end,
     usage_info,
