@@ -190,6 +190,36 @@ def layer_windows(config: Any, max_model_len: int) -> list[int | None]:
 
 
 @dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step as the offline engine times it (`LLMEngine.step_records`).
+
+    seconds: the wall-clock time of the step, s; num_tokens: the tokens of the forwards whose
+    outputs it applied (0: none); step_bytes, step_flops: their roofline cost (`step_cost`,
+    one rank's; 0 without a model cost).
+    """
+
+    seconds: float
+    num_tokens: int
+    step_bytes: float
+    step_flops: float
+
+
+def utilization(records: Iterable[StepRecord], peaks: "Peaks") -> tuple[float | None, float | None]:
+    """(MBU, MFU) of a run's steps: their total bytes (FLOPs) over their total seconds, over
+    the peak; steps without a forward are left out; None where the peak is unknown or no step
+    ran a forward."""
+    forwards = [r for r in records if r.num_tokens > 0 and r.seconds > 0]
+    seconds = sum(r.seconds for r in forwards)
+    if not seconds:
+        return None, None
+    mbu = (
+        sum(r.step_bytes for r in forwards) / seconds / peaks.bandwidth if peaks.bandwidth else None
+    )
+    mfu = sum(r.step_flops for r in forwards) / seconds / peaks.flops if peaks.flops else None
+    return mbu, mfu
+
+
+@dataclass(frozen=True, slots=True)
 class Peaks:
     """A device's peak memory bandwidth (bytes/s) and dense bf16 FLOP/s; None: unknown."""
 

@@ -5,7 +5,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedserve.roofline import ModelCost, Peaks, device_peaks, model_cost, step_cost
+from pagedserve.roofline import (
+    ModelCost,
+    Peaks,
+    StepRecord,
+    device_peaks,
+    model_cost,
+    step_cost,
+    utilization,
+)
 
 # 2 layers, 4 query heads, 2 kv heads of dim 8, 2-byte KV: a key costs 2 (K, V) x 2 x 8 x 2
 # = 64 bytes per layer; a query-key pair 4 x 4 x 8 = 128 FLOPs per layer.
@@ -118,3 +126,18 @@ def test_configs_without_intermediate_size() -> None:
         cost = model_cost(config, "float32", "auto", None, 64)
         attention = 32 * 8 * (2 * 4 + 2 * 4)
         assert cost.num_params == 2 * (attention + 2 * 32 * width)
+
+
+def test_utilization_of_a_run_weights_steps_by_their_time() -> None:
+    """Two forwards: 3e9 B and 1e12 FLOPs in 1 s, 1e9 B and 3e12 FLOPs in 3 s; an idle step
+    (no tokens) and a zero-time one are left out: 4e9 B / 4 s over 2e9 B/s = 50%, 4e12 / 4 s
+    over 1e13 = 10%. An unknown peak gives None, and so does a run without a forward."""
+    records = [
+        StepRecord(1.0, 16, 3e9, 1e12),
+        StepRecord(5.0, 0, 0.0, 0.0),
+        StepRecord(3.0, 4, 1e9, 3e12),
+        StepRecord(0.0, 4, 1e9, 1e12),
+    ]
+    assert utilization(records, Peaks(2e9, 1e13)) == (pytest.approx(0.5), pytest.approx(0.1))
+    assert utilization(records, Peaks(2e9, None)) == (pytest.approx(0.5), None)
+    assert utilization(records[1:2], Peaks(2e9, 1e13)) == (None, None)

@@ -88,8 +88,8 @@ class EngineCore:
             allocate = self.executor.bitmask_allocator()  # type: ignore[attr-defined]
             if allocate is not None:
                 self.structured_output_manager.use_bitmask_buffers(allocate)
-        # The roofline cost (bytes, FLOPs) of the forwards whose tokens the last `step()`
-        # applied, one rank's; and the device's name (None: a CPU) for its peaks.
+        # The roofline cost (bytes, FLOPs) and token count of the forwards whose tokens the
+        # last `step()` applied, one rank's; and the device's name (None: a CPU) for its peaks.
         model = config.model_config
         self.model_cost: ModelCost | None
         try:
@@ -107,6 +107,7 @@ class EngineCore:
             logger.info("no MBU/MFU figures: the model's config does not give its sizes (%s)", e)
             self.model_cost = None
         self.step_cost = (0.0, 0.0)
+        self.step_tokens = 0
         self.device_name = _device_name(config, self.executor.device_type)
         # Async scheduling: the step launched last, whose tokens are not applied yet.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
@@ -153,6 +154,7 @@ class EngineCore:
         may already be in N+1, whose token for it is dropped.
         """
         self.step_cost = (0.0, 0.0)
+        self.step_tokens = 0
         if not self.async_scheduling:
             return self._step_sync() + self.scheduler.take_pending_outputs()
         outputs = self.scheduler.take_pending_outputs()
@@ -200,8 +202,9 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _add_step_cost(self, scheduler_output: SchedulerOutput) -> None:
-        """Count a finished forward's roofline cost into `step_cost` (nothing without a
-        `model_cost`)."""
+        """Count a finished forward's tokens into `step_tokens` and its roofline cost into
+        `step_cost` (nothing without a `model_cost`)."""
+        self.step_tokens += scheduler_output.total_num_scheduled_tokens
         if self.model_cost is None:
             return
         step_bytes, flops = step_cost(

@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous, in-process engine (add_request / abort_request / step)."""
 
 import dataclasses
+import time
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig
@@ -12,6 +13,7 @@ from pagedserve.errors import InvalidRequestError, RequestFailedError
 from pagedserve.kv_cache.manager import check_fits_cache
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
+from pagedserve.roofline import StepRecord
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -213,6 +215,8 @@ class LLMEngine:
         self.tokenizer, self.input_processor, self.output_processor = build_processors(config)
         log_generation_defaults(config.model_config)
         self.engine_core = EngineCore(config)
+        # Set to [] to time every step into it (`bench throughput --plot`); None: not kept.
+        self.step_records: list[StepRecord] | None = None
 
     @classmethod
     def from_engine_args(
@@ -287,8 +291,16 @@ class LLMEngine:
         return len(self.output_processor.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the RequestOutputs it produced."""
+        """Run one engine step; return the RequestOutputs it produced. With `step_records` a
+        list, append the step's `StepRecord` (the core's step, timed by the wall clock: with
+        async scheduling, the time between two forwards' results)."""
+        start = time.perf_counter()
         core_outputs = self.engine_core.step()
+        if self.step_records is not None:
+            core = self.engine_core
+            self.step_records.append(
+                StepRecord(time.perf_counter() - start, core.step_tokens, *core.step_cost)
+            )
         request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
         self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         failed = self.output_processor.pop_failed()

@@ -36,12 +36,18 @@ def test_step_cost_is_the_cost_of_the_forwards_applied(async_scheduling: bool) -
         "r", {"prompt_token_ids": list(range(1, 13))}, SamplingParams(max_tokens=4, ignore_eos=True)
     )
     costs = []
+    engine.step_records = []
     while engine.has_unfinished_requests():
         engine.step()
         costs.append(core.step_cost)
     forwards = [[(8, 8)], [(4, 12)], [(1, 13)], [(1, 14)], [(1, 15)]]
     expected = [step_cost(core.model_cost, f) for f in forwards]
     assert [c for c in costs if c != (0.0, 0.0)] == expected
+    # The offline engine's records of those steps: their tokens and the same costs.
+    records = engine.step_records
+    assert len(records) == len(costs) and all(r.seconds > 0 for r in records)
+    assert [(r.step_bytes, r.step_flops) for r in records] == costs
+    assert [r.num_tokens for r in records if r.num_tokens] == [8, 4, 1, 1, 1]
     assert core.model_cost.layer_windows == (None,) * len(core.model_cost.layer_windows)
     engine.step()
     assert core.step_cost == (0.0, 0.0)

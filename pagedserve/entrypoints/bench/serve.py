@@ -19,6 +19,7 @@ from pagedserve.entrypoints.bench.datasets import (
     read_sharegpt,
     sample_requests,
 )
+from pagedserve.entrypoints.bench.plots import check_matplotlib, plot_sweep
 from pagedserve.entrypoints.bench.results import (
     add_result_args,
     model_tag,
@@ -67,9 +68,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-concurrency",
-        type=int,
-        default=None,
-        help="most requests in flight (default: no cap)",
+        type=concurrencies,
+        default=[None],
+        help="most requests in flight (default: no cap); a comma-separated list (1,4,16) "
+        "runs the benchmark once per value, a sweep",
     )
     parser.add_argument("--ignore-eos", action="store_true", help="generate every token asked")
     parser.add_argument("--temperature", type=float, default=None, help="default: the server's")
@@ -82,8 +84,29 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 25,50,99"
     )
     parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="per request, s")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="draw output throughput against the median latencies, a point per concurrency",
+    )
     add_dataset_args(parser)
     add_result_args(parser, output_json=False)
+
+
+def concurrencies(text: str) -> list[int | None]:
+    """--max-concurrency: one positive integer, or a comma-separated list of them (a sweep).
+    Raises argparse.ArgumentTypeError naming the bad value."""
+    values: list[int | None] = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a positive integer")
+        values.append(value)
+    return values
 
 
 async def arrivals(
@@ -187,7 +210,7 @@ def request_body(model: str, args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+async def _run(args: argparse.Namespace, max_concurrency: int | None) -> dict[str, Any]:
     from pagedserve.engine.llm_engine import load_tokenizer
 
     base_url = args.base_url or f"http://{args.host}:{args.port}"
@@ -216,7 +239,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             requests,
             args.request_rate,
             args.burstiness,
-            args.max_concurrency,
+            max_concurrency,
             args.seed,
         )
     selected = args.percentile_metrics.split(",")
@@ -232,7 +255,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         # as vLLM: "inf" (JSON has no infinity)
         "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
         "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency,
+        "max_concurrency": max_concurrency,
         **calculate_metrics(requests, outputs, duration, selected, percentiles),
     }
     print_summary(result, selected, percentiles)
@@ -249,16 +272,31 @@ def main(args: argparse.Namespace) -> int:
             f"pagedserve bench serve: error: --percentile-metrics takes "
             f"{', '.join(sorted(known))}, not {', '.join(sorted(unknown))}"
         )
+    if len(args.max_concurrency) > 1 and args.result_filename:
+        raise SystemExit(
+            "pagedserve bench serve: error: --result-filename names one file and a sweep of "
+            "--max-concurrency writes one per value: leave it out"
+        )
     try:
+        if args.plot:
+            check_matplotlib()
         if args.dataset_name == "sharegpt" and args.dataset_path:
             read_sharegpt(args.dataset_path)  # a bad file fails before any request
-        result = asyncio.run(_run(args))
-    except DatasetError as e:
+        results = []
+        for max_concurrency in args.max_concurrency:
+            result = asyncio.run(_run(args, max_concurrency))
+            rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+            concurrency = f"-concurrency{max_concurrency}" if max_concurrency else ""
+            name = f"{result['backend']}-{rate}qps{concurrency}-{model_tag(result['model_id'])}"
+            save_result(args, result, f"{name}-{result['date']}.json")
+            results.append(result)
+    except (DatasetError, ImportError) as e:
         raise SystemExit(f"pagedserve bench serve: error: {e}") from None
     except httpx.HTTPError as e:
         raise SystemExit(f"pagedserve bench serve: error: cannot reach the server: {e!r}") from None
-    rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
-    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
-    name = f"{result['backend']}-{rate}qps{concurrency}-{model_tag(result['model_id'])}"
-    save_result(args, result, f"{name}-{result['date']}.json")
+    if args.plot:
+        selected = [k for k in args.percentile_metrics.split(",") if k != "itl"] or ["itl"]
+        title = f"{model_tag(results[0]['model_id'])}: {results[0]['num_prompts']} requests"
+        plot_sweep(results, selected, args.plot, title)
+        print(f"plot saved to {args.plot}")
     return 0

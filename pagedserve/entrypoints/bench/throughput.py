@@ -36,6 +36,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disable-detokenize", action="store_true", help="leave detokenizing out of the timed run"
     )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="draw each step's time against its roofline floor, and its MBU / MFU, into PNG",
+    )
     add_result_args(parser)
 
 
@@ -93,10 +99,45 @@ def print_throughput(metrics: dict[str, Any]) -> None:
     print(f"Total num output tokens:  {metrics['total_output_tokens']}")
 
 
+def roofline_summary(llm: Any, plot: str | None, title: str) -> dict[str, Any]:
+    """The run's MBU and MFU from the engine's `step_records` against the device's peaks
+    (None where unknown), and with `plot` a PNG of its steps (`plots.plot_steps`)."""
+    from pagedserve.entrypoints.bench.plots import plot_steps
+    from pagedserve.roofline import device_peaks, utilization
+
+    engine = llm.llm_engine
+    records = engine.step_records or []
+    peaks = device_peaks(engine.engine_core.device_name)
+    if plot:
+        summary = plot_steps(records, peaks, plot, title)
+        print(f"plot saved to {plot}")
+    else:
+        mbu, mfu = utilization(records, peaks)
+        steps = sum(1 for r in records if r.num_tokens > 0)
+        summary = {"num_steps": steps, "mbu": mbu, "mfu": mfu}
+    return summary
+
+
+def print_roofline(summary: dict[str, Any]) -> None:
+    """One line: the steps, and MBU / MFU where the device's peaks are known."""
+    shown = [f"{summary['num_steps']} steps"]
+    shown += [f"{k.upper()}: {100 * summary[k]:.1f}%" for k in ("mbu", "mfu") if summary[k]]
+    if summary["mbu"] is None and summary["mfu"] is None:
+        shown.append("MBU / MFU: no device peaks known")
+    print("Roofline: " + ", ".join(shown))
+
+
 def main(args: argparse.Namespace) -> int:
     """Run `bench throughput` on parsed flags; dataset errors end it with one line."""
+    from pagedserve.entrypoints.bench.plots import check_matplotlib
     from pagedserve.errors import InvalidRequestError
     from pagedserve.sampling_params import SamplingParams
+
+    if args.plot:
+        try:
+            check_matplotlib()
+        except ImportError as e:
+            raise SystemExit(f"pagedserve bench throughput: error: {e}") from None
 
     if args.input_len is not None:
         args.random_input_len = args.input_len
@@ -126,6 +167,7 @@ def main(args: argparse.Namespace) -> int:
             )
             for r in requests
         ]
+        llm.llm_engine.step_records = []
         elapsed, outputs = run_generate(llm, prompts, params)
     except InvalidRequestError as e:  # a flag the engine refuses (--n 0, a too long prompt)
         raise SystemExit(f"pagedserve bench throughput: error: {e}") from None
@@ -133,6 +175,9 @@ def main(args: argparse.Namespace) -> int:
         llm.llm_engine.shutdown()
     metrics = throughput_metrics(requests, outputs, elapsed)
     print_throughput(metrics)
-    result = {"date": timestamp(), "model_id": args.model, **metrics}
+    title = f"{model_tag(args.model)}: {len(requests)} requests, bench throughput"
+    roofline = roofline_summary(llm, args.plot, title)
+    print_roofline(roofline)
+    result = {"date": timestamp(), "model_id": args.model, **metrics, **roofline}
     save_result(args, result, f"throughput-{model_tag(args.model)}-{result['date']}.json")
     return 0

@@ -39,6 +39,27 @@ def test_throughput_on_random_prompts(tmp_path: Path, capsys: Any) -> None:
     assert result["model_id"] == DEFAULT_MODEL
 
 
+def test_throughput_roofline_and_plot(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With device peaks (set by the environment: a CPU has none) the run reports its MBU and
+    MFU and --plot draws its steps; without them it says so."""
+    argv = ["throughput", "--num-prompts", "3", "--random-input-len", "8",
+            "--random-output-len", "5"]  # fmt: skip
+    out, result = run_bench(argv, tmp_path, capsys)
+    assert "Roofline: " in out and "MBU / MFU: no device peaks known" in out
+    assert result["mbu"] is None and result["mfu"] is None and result["num_steps"] >= 5
+    monkeypatch.setenv("PAGEDSERVE_PEAK_BANDWIDTH", "1e9")
+    monkeypatch.setenv("PAGEDSERVE_PEAK_FLOPS", "1e9")
+    plot = tmp_path / "steps.png"
+    out, result = run_bench([*argv, "--plot", str(plot)], tmp_path, capsys)
+    assert result["mbu"] > 0 and result["mfu"] > 0
+    assert f"MBU: {100 * result['mbu']:.1f}%" in out and f"plot saved to {plot}" in out
+    # 3 prompts of 8 tokens, then 4 more tokens each: at most 24 + 12 tokens in >= 5 steps
+    assert 5 <= result["num_steps"] <= 24 + 12
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
 def test_throughput_on_a_sharegpt_file(tmp_path: Path, capsys: Any) -> None:
     prompts = ["Once upon a time there was a little dog.", "The girl saw a big red ball."]
     data = [

@@ -98,3 +98,44 @@ def test_serving_script_keeps_its_flags(server: Server) -> None:
     assert summary["completed"] == 3 and summary["total_output_tokens"] == 15
     assert summary["total_input_tokens"] == 36 and "first_error" not in summary
     assert summary["p90_ttft_ms"] <= summary["p99_ttft_ms"]
+
+
+def test_bench_serve_concurrency_sweep_and_plot(
+    server: Server, tmp_path: Path, capsys: Any
+) -> None:
+    """--max-concurrency 1,3: two runs of the same requests, a summary and a saved JSON each,
+    and --plot draws them."""
+    plot = tmp_path / "sweep.png"
+    argv = ["bench", "serve", "--base-url", server.url, "--api-key", API_KEY,
+            "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "4",
+            "--ignore-eos", "--max-concurrency", "1,3", "--plot", str(plot),
+            "--save-result", "--result-dir", str(tmp_path)]  # fmt: skip
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("Serving Benchmark Result") == 2 and f"plot saved to {plot}" in out
+    saved = sorted(tmp_path.glob("openai-infqps-concurrency*.json"))
+    results = [json.loads(path.read_text()) for path in saved]
+    assert sorted(r["max_concurrency"] for r in results) == [1, 3]
+    for result in results:
+        assert result["completed"] == 3 and result["total_output_tokens"] == 12
+        assert result["max_concurrent_requests"] <= result["max_concurrency"]
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--max-concurrency", "0"], "argument --max-concurrency: '0' is not a positive integer"),
+        (["--max-concurrency", "2,x"], "argument --max-concurrency: 'x' is not a positive integer"),
+    ],
+)
+def test_bench_serve_bad_concurrency(argv: list[str], words: str, capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "serve", *argv])
+    assert exit_info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_bench_serve_sweep_refuses_one_result_filename() -> None:
+    argv = ["--max-concurrency", "1,2", "--save-result", "--result-filename", "r.json"]
+    with pytest.raises(SystemExit, match="--result-filename names one file"):
+        cli_main(["bench", "serve", *argv])

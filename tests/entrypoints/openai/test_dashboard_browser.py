@@ -106,10 +106,15 @@ def check_parsing(page: Page) -> None:
     shutil.which("chromium") is None,
     reason="chromium is not installed (apt-get install chromium; .ci/run installs it)",
 )
-def test_the_page_in_chromium_shows_a_known_workload(server_factory: Any) -> None:
+def test_the_page_in_chromium_shows_a_known_workload(
+    server_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A fresh server with --protect-metrics; the page asks for the key, then, fed it, shows
     8 completions of 16 tokens: the totals equal the server's counters, the throughput chart
-    rises, TTFT and TPOT have estimates. Leaves a screenshot in docs/dashboard.png."""
+    rises, TTFT and TPOT have estimates, MBU and MFU (against peaks the environment gives
+    the CPU) equal the server's. Leaves a screenshot in docs/dashboard.png."""
+    monkeypatch.setenv("PAGEDSERVE_PEAK_BANDWIDTH", "2e10")  # a CPU has no peaks of its own
+    monkeypatch.setenv("PAGEDSERVE_PEAK_FLOPS", "5e10")
     args = ["--protect-metrics", "--served-model-name", MODEL_NAME]
     server = server_factory("llama3", API_KEY, args)
     try:
@@ -174,6 +179,15 @@ def test_the_page_in_chromium_shows_a_known_workload(server_factory: Any) -> Non
                     p50 = [v for v in chart_values(page, estimate, "p50") if v is not None]
                     assert p50 and max(p50) > 0, estimate
                     assert all(a <= b for a, b in zip(p50, p99, strict=True)), estimate
+                mbu_mean = (
+                    100
+                    * counters["pagedserve:step_mbu_sum"]
+                    / counters["pagedserve:step_mbu_count"]
+                )
+                assert float(dom_value(page, "roofline")) == pytest.approx(mbu_mean)
+                for series in ("MBU", "MFU"):
+                    values = [v for v in chart_values(page, "roofline", series) if v is not None]
+                    assert values and min(values) > 0, (series, values)
                 kv = [v for v in chart_values(page, "kv-cache", "used") if v is not None]
                 assert kv and all(0 <= v <= 100 for v in kv)
                 check_quantiles_as_prometheus(page)
