@@ -304,11 +304,12 @@ class EngineMetrics:
 
     def record_step_cost(self, message: EngineCoreOutputs) -> None:
         """A step's roofline cost (`step_bytes`, `step_flops`; 0 when no forward ran) over
-        the core's seconds for it (`scheduled_at` to `timestamp`): its MBU and MFU where the
-        peaks are known, and the interval's (total bytes or FLOPs over total seconds) in the
-        gauges."""
+        its forward's seconds on the device (`step_seconds`): its MBU and MFU where the peaks
+        are known, and the interval's (total bytes or FLOPs over total seconds) in the
+        gauges. (Not the step's wall time: with async scheduling a step returns the outputs of
+        a forward launched by the step before.)"""
         step_bytes, step_flops = message.step_bytes, message.step_flops
-        seconds = message.timestamp - message.scheduled_at
+        seconds = message.step_seconds
         if step_bytes <= 0 or seconds <= 0:
             return
         interval = self._log

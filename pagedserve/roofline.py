@@ -191,11 +191,11 @@ def layer_windows(config: Any, max_model_len: int) -> list[int | None]:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One engine step as the offline engine times it (`LLMEngine.step_records`).
+    """One engine step as the offline engine records it (`LLMEngine.step_records`).
 
-    seconds: the wall-clock time of the step, s; num_tokens: the tokens of the forwards whose
-    outputs it applied (0: none); step_bytes, step_flops: their roofline cost (`step_cost`,
-    one rank's; 0 without a model cost).
+    seconds: the seconds on the device of the forwards whose outputs it applied
+    (`EngineCore.step_seconds`); num_tokens: their tokens (0: none); step_bytes, step_flops:
+    their roofline cost (`step_cost`, one rank's; 0 without a model cost).
     """
 
     seconds: float

@@ -94,8 +94,11 @@ def test_a_failed_request_counts_as_error_and_leaves_no_state() -> None:
 
 
 def step(step_bytes: float, step_flops: float, start: float, end: float) -> EngineCoreOutputs:
+    """A step whose forward ran on the device from `start` to `end`; the step's own wall
+    time (scheduled_at to timestamp) is longer and is not what the figures divide by."""
+    stats = SchedulerStats(1, 0, 0.5, 0, 0, 0)
     return EngineCoreOutputs(
-        [token("a")], SchedulerStats(1, 0, 0.5, 0, 0, 0), [], start, end, step_bytes, step_flops
+        [token("a")], stats, [], start - 7.0, end + 3.0, step_bytes, step_flops, end - start
     )
 
 

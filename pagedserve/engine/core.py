@@ -6,6 +6,7 @@ It sees only token ids. Tokenizing, detokenizing and stop strings happen in the 
 
 import gc
 import logging
+import time
 from typing import Any
 
 from pagedserve.config import EngineConfig, cuda_index
@@ -88,8 +89,9 @@ class EngineCore:
             allocate = self.executor.bitmask_allocator()  # type: ignore[attr-defined]
             if allocate is not None:
                 self.structured_output_manager.use_bitmask_buffers(allocate)
-        # The roofline cost (bytes, FLOPs) and token count of the forwards whose tokens the
-        # last `step()` applied, one rank's; and the device's name (None: a CPU) for its peaks.
+        # The roofline cost (bytes, FLOPs), token count and device seconds of the forwards
+        # whose tokens the last `step()` applied, one rank's; and the device's name (None: a
+        # CPU) for its peaks.
         model = config.model_config
         self.model_cost: ModelCost | None
         try:
@@ -108,6 +110,12 @@ class EngineCore:
             self.model_cost = None
         self.step_cost = (0.0, 0.0)
         self.step_tokens = 0
+        self.step_seconds = 0.0
+        # A forward's seconds run from its launch, or from the moment the forward before it
+        # was applied when it was launched before that (async scheduling: the device runs
+        # them back to back), to the moment its outputs are in (time.perf_counter()).
+        self._launched_at = 0.0
+        self._last_applied_at = 0.0
         self.device_name = _device_name(config, self.executor.device_type)
         # Async scheduling: the step launched last, whose tokens are not applied yet.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
@@ -155,6 +163,7 @@ class EngineCore:
         """
         self.step_cost = (0.0, 0.0)
         self.step_tokens = 0
+        self.step_seconds = 0.0
         if not self.async_scheduling:
             return self._step_sync() + self.scheduler.take_pending_outputs()
         outputs = self.scheduler.take_pending_outputs()
@@ -167,6 +176,7 @@ class EngineCore:
             if self._in_flight is None and not outputs:
                 self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
             return outputs + self._finish_in_flight()
+        launched_at = time.perf_counter()
         if not scheduler_output.grammar_deferred:
             launched = self.executor.execute_model_async(scheduler_output)
             outputs += self._finish_in_flight()
@@ -179,6 +189,7 @@ class EngineCore:
                 grammar = self.scheduler.deferred_grammar_output(scheduler_output)
                 launched = self.executor.sample_tokens(pending, grammar)  # type: ignore[attr-defined]
         self._in_flight = (scheduler_output, launched)
+        self._launched_at = launched_at
         return outputs
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
@@ -187,8 +198,9 @@ class EngineCore:
             return []
         scheduler_output, launched = self._in_flight
         self._in_flight = None
-        self._add_step_cost(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, launched.result())
+        runner_output = launched.result()
+        self._add_step_cost(scheduler_output, self._launched_at)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_sync(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
@@ -197,13 +209,18 @@ class EngineCore:
                 self.executor.execute_model(scheduler_output)
             self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
             return []
+        launched_at = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
-        self._add_step_cost(scheduler_output)
+        self._add_step_cost(scheduler_output, launched_at)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
-    def _add_step_cost(self, scheduler_output: SchedulerOutput) -> None:
-        """Count a finished forward's tokens into `step_tokens` and its roofline cost into
-        `step_cost` (nothing without a `model_cost`)."""
+    def _add_step_cost(self, scheduler_output: SchedulerOutput, launched_at: float) -> None:
+        """Count a forward whose outputs just came in (launched at `launched_at`, perf_counter)
+        into `step_tokens`, `step_seconds` and its roofline cost into `step_cost` (nothing
+        without a `model_cost`)."""
+        now = time.perf_counter()
+        self.step_seconds += now - max(launched_at, self._last_applied_at)
+        self._last_applied_at = now
         self.step_tokens += scheduler_output.total_num_scheduled_tokens
         if self.model_cost is None:
             return

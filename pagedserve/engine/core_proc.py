@@ -219,7 +219,14 @@ class _CoreLoop:
         step_bytes, step_flops = self.core.step_cost
         self._send(
             EngineCoreOutputs(
-                outputs, self.core.stats(), queue_times, start, made, step_bytes, step_flops
+                outputs,
+                self.core.stats(),
+                queue_times,
+                start,
+                made,
+                step_bytes,
+                step_flops,
+                self.core.step_seconds,
             )
         )
 

@@ -1,7 +1,6 @@
 """LLMEngine: the synchronous, in-process engine (add_request / abort_request / step)."""
 
 import dataclasses
-import time
 from typing import Any
 
 from pagedserve.config import EngineConfig, ModelConfig
@@ -292,14 +291,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the RequestOutputs it produced. With `step_records` a
-        list, append the step's `StepRecord` (the core's step, timed by the wall clock: with
-        async scheduling, the time between two forwards' results)."""
-        start = time.perf_counter()
-        core_outputs = self.engine_core.step()
+        list, append the step's `StepRecord` (the forwards it applied: their tokens, cost and
+        seconds on the device, `EngineCore.step_seconds`)."""
+        core = self.engine_core
+        core_outputs = core.step()
         if self.step_records is not None:
-            core = self.engine_core
             self.step_records.append(
-                StepRecord(time.perf_counter() - start, core.step_tokens, *core.step_cost)
+                StepRecord(core.step_seconds, core.step_tokens, *core.step_cost)
             )
         request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
         self.engine_core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

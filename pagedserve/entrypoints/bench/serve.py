@@ -137,7 +137,7 @@ async def send_request(
             if response.status_code != 200:
                 output.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return output
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response.aiter_text()):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
@@ -164,6 +164,31 @@ async def send_request(
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         output.error = repr(e)
     return output
+
+
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream: split at CRLF, LF or CR only (the SSE spec's
+    line ends). httpx's `aiter_lines` also splits at U+2028, U+0085 and the other Unicode
+    line breaks of str.splitlines, which JSON leaves unescaped inside strings, so a generated
+    text holding one broke the data line in two (a JSONDecodeError in a GPU run)."""
+    buffer = ""
+    async for chunk in chunks:
+        buffer += chunk
+        # A CR at the end may be the first half of a CRLF: wait for the next chunk.
+        while True:
+            ends = [i for i in (buffer.find("\n"), buffer.find("\r")) if i >= 0]
+            if not ends:
+                break
+            end = min(ends)
+            if buffer[end] == "\r" and end == len(buffer) - 1:
+                break
+            width = 2 if buffer.startswith("\r\n", end) else 1
+            yield buffer[:end]
+            buffer = buffer[end + width :]
+    if buffer.endswith("\r"):
+        buffer = buffer[:-1]
+    if buffer:
+        yield buffer
 
 
 def _text(choice: dict[str, Any]) -> str:
