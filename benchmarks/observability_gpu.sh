@@ -42,8 +42,9 @@ done
 timeout 420 "${CLI[@]}" bench serve --port $PORT --num-prompts "$NUM_PROMPTS" \
   --random-input-len 128 --random-output-len 128 --ignore-eos --max-concurrency "$SWEEP" \
   --percentile-metrics ttft,tpot,e2el --metric-percentiles 50,99 --plot "$OUT/sweep_$PRESET.png" \
-  --save-result --result-dir "$OUT" > "$OUT/sweep.log" 2>&1
+  --save-result --result-dir "$OUT/sweep" > "$OUT/sweep.log" 2>&1
 echo "rc=$?"
+tar -cf "$OUT/sweep_results.tar" -C "$OUT" sweep && rm -r "$OUT/sweep"  # one file back
 grep -E "Maximum request concurrency|Output token throughput|Median (TTFT|TPOT)|plot saved" \
   "$OUT/sweep.log"
 curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/metrics.txt"

@@ -127,8 +127,7 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False
     # see `roofline.step_cost`): bytes it must read, FLOPs it must compute.
     step_bytes: float = 0.0
     step_flops: float = 0.0
-    # The seconds of that forward on the device, as the core's host saw them: from its launch
-    # (or the previous forward's outputs, if later) to its outputs (see EngineCore.step).
+    # That forward's seconds on the device (EngineCore.step_seconds: CUDA events on a GPU).
     step_seconds: float = 0.0
 
 

@@ -103,6 +103,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     logprobs: list[SampleLogprobsData | None]  # per sampled request; None when not asked
     prompt_logprobs: dict[str, PromptLogprobsData] = field(default_factory=dict)
+    # The step's seconds on the device (CUDA events around its kernels: from the first input
+    # copy to the sampled tokens' copy to host); None on a CPU.
+    device_seconds: float | None = None
 
 
 class DeviceEvent(Protocol):

@@ -16,7 +16,7 @@ from pagedserve.messages import EngineCoreOutput, SchedulerStats
 from pagedserve.request import Request, RequestStatus
 from pagedserve.roofline import ModelCost, model_cost, step_cost
 from pagedserve.scheduler import Scheduler
-from pagedserve.step import AsyncModelRunnerOutput, SchedulerOutput
+from pagedserve.step import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 from pagedserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -111,9 +111,9 @@ class EngineCore:
         self.step_cost = (0.0, 0.0)
         self.step_tokens = 0
         self.step_seconds = 0.0
-        # A forward's seconds run from its launch, or from the moment the forward before it
-        # was applied when it was launched before that (async scheduling: the device runs
-        # them back to back), to the moment its outputs are in (time.perf_counter()).
+        # A forward's seconds: on a GPU its device_seconds (CUDA events); on a CPU, from its
+        # launch, or from the moment the forward before it was applied when it was launched
+        # before that, to the moment its outputs are in (time.perf_counter()).
         self._launched_at = 0.0
         self._last_applied_at = 0.0
         self.device_name = _device_name(config, self.executor.device_type)
@@ -199,7 +199,7 @@ class EngineCore:
         scheduler_output, launched = self._in_flight
         self._in_flight = None
         runner_output = launched.result()
-        self._add_step_cost(scheduler_output, self._launched_at)
+        self._add_step_cost(scheduler_output, runner_output, self._launched_at)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_sync(self) -> list[EngineCoreOutput]:
@@ -211,16 +211,21 @@ class EngineCore:
             return []
         launched_at = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
-        self._add_step_cost(scheduler_output, launched_at)
+        self._add_step_cost(scheduler_output, runner_output, launched_at)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
-    def _add_step_cost(self, scheduler_output: SchedulerOutput, launched_at: float) -> None:
+    def _add_step_cost(
+        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput, launched_at: float
+    ) -> None:
         """Count a forward whose outputs just came in (launched at `launched_at`, perf_counter)
-        into `step_tokens`, `step_seconds` and its roofline cost into `step_cost` (nothing
-        without a `model_cost`)."""
+        into `step_tokens`, `step_seconds` (its device_seconds, timed by CUDA events; on a
+        CPU, the host's view) and its roofline cost into `step_cost` (nothing without a
+        `model_cost`)."""
         now = time.perf_counter()
-        self.step_seconds += now - max(launched_at, self._last_applied_at)
+        host_seconds = now - max(launched_at, self._last_applied_at)
         self._last_applied_at = now
+        device_seconds = output.device_seconds
+        self.step_seconds += host_seconds if device_seconds is None else device_seconds
         self.step_tokens += scheduler_output.total_num_scheduled_tokens
         if self.model_cost is None:
             return

@@ -4,6 +4,7 @@ Start-up (model loading, KV cache sizing and allocation, CUDA graphs, warm-up) i
 `runner_setup`'s; the runner holds what it builds (`model`, `kv_caches`, `cuda_graphs`).
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ class PendingSample:
     model_input: ModelInput
     logits: torch.Tensor  # [num_sampled_rows, vocab_size] float32, on the device
     prompt_logprobs: dict[str, PromptLogprobsData]
+    started: "torch.cuda.Event | None" = None  # before the step's first kernel (None: a CPU)
 
 
 class ModelRunner:
@@ -92,6 +94,7 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return AsyncModelRunnerOutput(ModelRunnerOutput([], [], []))
+        started = _timing_event(self.device)
         model_input = build_model_input(scheduler_output, self.states, self.block_size, self.device)
         if model_input.placeholder_request_ids:
             self._fill_placeholders(model_input)
@@ -106,10 +109,14 @@ class ModelRunner:
         else:
             hidden_states = self.model(model_input.input_ids, model_input.positions, attn_metadata)
         prompt_logprobs = self._prompt_logprobs(hidden_states, scheduler_output, model_input)
-        if not model_input.sampled_request_ids:
-            return AsyncModelRunnerOutput(ModelRunnerOutput([], [], [], prompt_logprobs))
+        if not model_input.sampled_request_ids:  # prompt chunks only
+            output = ModelRunnerOutput([], [], [], prompt_logprobs)
+            if started is None:
+                return AsyncModelRunnerOutput(output)
+            ended = _timing_event(self.device)
+            return AsyncModelRunnerOutput(None, lambda: _timed(output, started, ended), ended)
         logits = self._compute_logits(hidden_states[model_input.logits_indices])
-        return PendingSample(model_input, logits, prompt_logprobs)
+        return PendingSample(model_input, logits, prompt_logprobs, started)
 
     @torch.inference_mode()
     def sample_tokens(
@@ -128,12 +135,13 @@ class ModelRunner:
         self._prev_sampled = sampler_output.sampled_token_ids
         self._prev_rows = {r: i for i, r in enumerate(model_input.sampled_request_ids)}
         host_output, ready = _copy_to_host(sampler_output)
-        prompt_logprobs = pending.prompt_logprobs
-        return AsyncModelRunnerOutput(
-            None,
-            lambda: _to_runner_output(model_input, host_output, metadata, prompt_logprobs),
-            ready,
-        )
+        prompt_logprobs, started = pending.prompt_logprobs, pending.started
+
+        def build() -> ModelRunnerOutput:
+            output = _to_runner_output(model_input, host_output, metadata, prompt_logprobs)
+            return _timed(output, started, ready)
+
+        return AsyncModelRunnerOutput(None, build, ready)
 
     def _fill_placeholders(self, model_input: ModelInput) -> None:
         """Put the tokens the previous step sampled where this step feeds placeholders."""
@@ -211,6 +219,27 @@ def _vocab_size(config: EngineConfig) -> int:
     return int(config.model_config.hf_config.vocab_size)
 
 
+def _timing_event(device: torch.device) -> "torch.cuda.Event | None":
+    """A CUDA event with timing, recorded now on the current stream; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    event.record()
+    return event
+
+
+def _timed(
+    output: ModelRunnerOutput,
+    started: "torch.cuda.Event | None",
+    ended: "torch.cuda.Event | None",
+) -> ModelRunnerOutput:
+    """`output` with its `device_seconds` (both events done: called after `ended` synced)."""
+    if started is None or ended is None:
+        return output
+    seconds = started.elapsed_time(ended) / 1e3
+    return dataclasses.replace(output, device_seconds=seconds)
+
+
 def _copy_to_host(out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
     """Start copying the sampler's tensors to pinned host memory, behind the step's kernels
     on the current stream; the event marks the copy's end. On the CPU, nothing to do."""
@@ -230,8 +259,8 @@ def _copy_to_host(out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event |
         logprobs=to_host(out.logprobs),
         sampled_ranks=to_host(out.sampled_ranks),
     )
-    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    ready.record()
+    ready = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    ready.record()  # (with timing: the step's end for ModelRunnerOutput.device_seconds)
     return host_out, ready
 
 
