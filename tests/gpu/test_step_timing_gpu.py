@@ -26,6 +26,7 @@ def test_every_forward_has_device_seconds(async_scheduling: bool) -> None:
     llm = LLM(
         str(MODELS / "tinystories-656k"),
         max_model_len=256,
+        num_gpu_blocks_override=128,  # small: the other parametrization's engine may live on
         max_num_batched_tokens=32,  # 100-token prompts: chunks that sample nothing
         async_scheduling=async_scheduling,
     )
