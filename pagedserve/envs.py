@@ -47,6 +47,24 @@ def peak_flops() -> float | None:
     return _positive_float("PAGEDSERVE_PEAK_FLOPS")
 
 
+CPU_RESERVED = "PAGEDSERVE_CPU_NUM_OF_RESERVED_CPU"
+
+
+def cpu_reserved() -> int:
+    """PAGEDSERVE_CPU_NUM_OF_RESERVED_CPU (vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU): cores that the
+    CPU workers leave to other processes, default 0; the engine-core process of a server sets
+    it to 1 for the API server's process when unset. Raises ValueError when not an integer
+    >= 0."""
+    raw = os.environ.get(CPU_RESERVED) or "0"  # empty: unset
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{CPU_RESERVED} must be an integer >= 0, got {raw!r}")
+    return value
+
+
 def _positive_float(name: str) -> float | None:
     raw = os.environ.get(name)
     if not raw:  # empty: unset

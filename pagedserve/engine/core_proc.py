@@ -38,6 +38,7 @@ from typing import Any
 
 import msgspec
 
+from pagedserve import envs
 from pagedserve.messages import (
     AbortRequests,
     AddRequests,
@@ -73,6 +74,11 @@ def run_engine_core(
     # server too, which then stops us with "shutdown": dying first would look like a crash.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A CPU engine leaves a core to the API server's process (tokenizing, HTTP) unless told
+    # otherwise (vLLM's default too): on a small machine the two fight for the cores, and
+    # torch's thread pool then waits on descheduled threads (see worker.cpu_threads).
+    if not os.environ.get(envs.CPU_RESERVED):  # unset or empty
+        os.environ[envs.CPU_RESERVED] = "1"
     try:
         from pagedserve.engine.arg_utils import EngineArgs
         from pagedserve.engine.core import EngineCore

@@ -6,11 +6,13 @@ rank 0's step output is returned. Start-up goes through `runner_setup`; steps th
 runner.
 """
 
+import logging
 import os
 from typing import Any
 
 import torch
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import destroy_distributed, init_distributed
 from pagedserve.step import (
@@ -28,6 +30,8 @@ from pagedserve.worker.runner_setup import (
     load_model,
     resolve_device,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def worker_device(device: str, local_rank: int, tp_size: int) -> torch.device:
@@ -75,6 +79,9 @@ class Worker:
         self._joins_group = distributed_init_method is not None
         if distributed_init_method is None:
             self.device = resolve_device(config.device_config.device)
+            threads = cpu_threads(1) if self.device.type == "cpu" else None
+            if threads is not None:
+                torch.set_num_threads(threads)
         else:
             self.device = self._init_rank(config, rank, local_rank, distributed_init_method)
         self.runner = ModelRunner(config, self.device)
@@ -90,8 +97,10 @@ class Worker:
         device = worker_device(config.device_config.device, local_rank, tp_size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        else:  # ranks on one host share its cores; oversubscribing them slows every rank
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
+        else:
+            threads = cpu_threads(tp_size)
+            if threads is not None:
+                torch.set_num_threads(threads)
         init_distributed(
             rank,
             tp_size,
@@ -162,3 +171,22 @@ class Worker:
         """Leave the process group (a rank of its own process); idempotent."""
         if self._joins_group:
             destroy_distributed()
+
+
+def cpu_threads(tp_size: int) -> int | None:
+    """The torch threads of one CPU rank: None when OMP_NUM_THREADS is set (torch took it at
+    start-up: the user's choice), else the cores this process may run on, less
+    `envs.cpu_reserved()` for other processes, split between the `tp_size` ranks of this
+    host, at least 1.
+
+    Why: torch's intra-op pool waits for all of its threads at the end of every parallel
+    op; with more threads than free cores one of them is often descheduled, and a 20 us
+    attention call took 3 ms on a busy 2-core machine (the server's engine-core and API
+    processes, or other jobs, sharing the cores). vLLM's CPU workers likewise leave cores
+    to the front end (VLLM_CPU_NUM_OF_RESERVED_CPU)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores, reserved = len(os.sched_getaffinity(0)), envs.cpu_reserved()
+    threads = max(1, (cores - reserved) // tp_size)
+    logger.info("torch threads per CPU rank: %d (%d cores, %d reserved)", threads, cores, reserved)
+    return threads
