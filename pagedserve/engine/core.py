@@ -31,10 +31,15 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Seconds of each start-up phase, in order (logged at the end of start-up).
+        self.startup_seconds: dict[str, float] = {}
+        clock = time.perf_counter()
         self.executor = create_executor(config)
+        clock = self._phase("model load", clock)
         block_size = config.cache_config.block_size
         max_model_len = config.model_config.max_model_len
         num_blocks = self.executor.determine_num_blocks()
+        clock = self._phase("memory profiling", clock)
         # The window every attention layer uses (None: some layer sees every key). With one,
         # a request holds only the blocks of its window and step, and block 0 is the null block.
         self.sliding_window = self.executor.kv_sliding_window()
@@ -51,6 +56,7 @@ class EngineCore:
                 f"gpu_memory_utilization) or lower max_model_len"
             )
         self.executor.initialize_cache(num_blocks)
+        clock = self._phase("KV cache, CUDA graphs and warm-up", clock)
         self.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB); maximum concurrency for "
@@ -124,6 +130,19 @@ class EngineCore:
         # the step loop (vLLM does the same).
         gc.collect()
         gc.freeze()
+        self._phase("scheduler and the rest", clock)
+        logger.info(
+            "engine start-up in %.1f s: %s",
+            sum(self.startup_seconds.values()),
+            ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.startup_seconds.items()),
+        )
+
+    def _phase(self, name: str, since: float) -> float:
+        """Record start-up phase `name` as the seconds since `since` (perf_counter); return
+        now, the next phase's start."""
+        now = time.perf_counter()
+        self.startup_seconds[name] = now - since
+        return now
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises InvalidRequestError if it could never fit the cache."""

@@ -206,9 +206,13 @@ def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
             runner.device,
         )
         logger.info("capturing CUDA graphs for decode batches (--enforce-eager skips this)")
+        start = time.perf_counter()
         _capture(runner, runner.cuda_graphs)
+        logger.info("captured CUDA graphs in %.1f s", time.perf_counter() - start)
     if runner.device.type == "cuda":
+        start = time.perf_counter()
         warm_up(runner, num_blocks)
+        logger.info("warmed up (Triton kernel variants) in %.1f s", time.perf_counter() - start)
 
 
 def _capture(runner: ModelRunner, graphs: CudaGraphRunner) -> None:

@@ -1,6 +1,7 @@
 """/v1/chat/completions, /tokenize and /detokenize: in process on the fake engine (with the
 Llama 3 tokenizer and its chat template), and chat, whole and streamed, on the real server."""
 
+import re
 from typing import Any
 
 import pytest
@@ -175,7 +176,13 @@ def test_start_up_says_what_it_is_doing(server: Any) -> None:
     """Start-up was silent for tens of seconds; its log names each phase, in order."""
     log = server.log_path.read_text()  # whole: log() keeps the last 5,000 characters
     phases = ["starting the engine for", "loading weights of",
-              "Loading safetensors checkpoint shards", "loaded weights in", "serving"]  # fmt: skip
+              "Loading safetensors checkpoint shards", "loaded weights in",
+              "engine start-up in", "serving"]  # fmt: skip
     positions = [log.find(phase) for phase in phases]
     assert all(p >= 0 for p in positions), log
     assert positions == sorted(positions), log
+    # The breakdown's phases, and the time to ready from the process's start.
+    breakdown = log[positions[-2] :].splitlines()[0]
+    for phase in ("model load", "memory profiling", "KV cache, CUDA graphs and warm-up"):
+        assert phase in breakdown, breakdown
+    assert re.search(r"serving \S+ on \S+ \(\d+\.\d s after the process started\)", log), log
