@@ -13,6 +13,7 @@ torch's OpenMP pool exists in the parent, which 'spawn'/'forkserver' are not).
 
 import contextlib
 import multiprocessing
+import os
 import threading
 from collections.abc import Iterator
 from multiprocessing import spawn
@@ -54,3 +55,18 @@ def check_not_importing_main() -> None:
     a process the user's own code made, would otherwise build a whole engine there."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise RuntimeError(REIMPORTED_MAIN_MESSAGE)
+
+
+def process_age_seconds() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat's start time against
+    /proc/uptime, at the clock-tick resolution); None where /proc cannot tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            # after the ")" that ends the command name: field 3 (state) is index 0, so the
+            # start time (field 22, in clock ticks after boot) is index 19
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None

@@ -53,6 +53,7 @@ from pagedserve.messages import (
     decode_to_core,
     encode,
 )
+from pagedserve.process_start import process_age_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ def run_engine_core(
         from pagedserve.engine.arg_utils import EngineArgs
         from pagedserve.engine.core import EngineCore
 
+        age = process_age_seconds()
+        if age is not None:  # the process's start: Python, torch and the model code's imports
+            logger.info("engine core process up in %.1f s (imports)", age)
         core = EngineCore(EngineArgs(**engine_args).create_engine_config())
         loop = _CoreLoop(core, input_address, output_address, parent_pid)
     except BaseException as e:

@@ -298,7 +298,6 @@ def run_server(args: argparse.Namespace) -> None:
     from .launch import (
         DrainingServer,
         bind_socket,
-        process_age_seconds,
         read_chat_template,
         stop_signals_end_serving,
     )
@@ -375,9 +374,11 @@ def run_server(args: argparse.Namespace) -> None:
         port = sock.getsockname()[1]  # the one the system chose for --port 0
         scheme = "https" if args.ssl_certfile else "http"
         url = f"{scheme}://{args.host}:{port}{args.root_path or ''}"
+        from pagedserve.process_start import process_age_seconds
+
         age = process_age_seconds()
         since = "" if age is None else f" ({age:.1f} s after the process started)"
-        logger.info("serving %s on %s%s", args.served_model_name, url, since)
+        logger.info("serving %s on %s%s", ", ".join(args.served_model_name), url, since)
         with stop_signals_end_serving(server[0]):
             asyncio.run(server[0].serve(sockets=[sock]))
         died = engine.errored  # read before shutdown(), which ends the engine on purpose

@@ -16,21 +16,6 @@ import uvicorn
 DRAIN_S = 5.0
 
 
-def process_age_seconds() -> float | None:
-    """Seconds since this process started (Linux: /proc/self/stat's start time against
-    /proc/uptime, at the clock-tick resolution); None where /proc cannot tell."""
-    try:
-        with open("/proc/self/stat") as f:
-            # after the ")" that ends the command name: field 3 (state) is index 0, so the
-            # start time (field 22, in clock ticks after boot) is index 19
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the port before loading the model, so that a busy port fails at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
