@@ -117,11 +117,11 @@ class EngineCore:
         self.step_cost = (0.0, 0.0)
         self.step_tokens = 0
         self.step_seconds = 0.0
-        # A forward's seconds: on a GPU its device_seconds (CUDA events); on a CPU, from its
-        # launch, or from the moment the forward before it was applied when it was launched
-        # before that, to the moment its outputs are in (time.perf_counter()).
-        self._launched_at = 0.0
-        self._last_applied_at = 0.0
+        # A forward's seconds: on a GPU its device_seconds (CUDA events); on a CPU, the host's
+        # seconds in the calls that launched it and in waiting for its outputs: a CPU runs the
+        # forward inside its launch call, so the time from its launch to its outputs (with
+        # async scheduling, the previous forward's apply in between) is not its own.
+        self._launch_seconds = 0.0  # of the step in flight
         self.device_name = _device_name(config, self.executor.device_type)
         # Async scheduling: the step launched last, whose tokens are not applied yet.
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
@@ -195,20 +195,24 @@ class EngineCore:
             if self._in_flight is None and not outputs:
                 self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
             return outputs + self._finish_in_flight()
-        launched_at = time.perf_counter()
+        started = time.perf_counter()
         if not scheduler_output.grammar_deferred:
             launched = self.executor.execute_model_async(scheduler_output)
+            launch_seconds = time.perf_counter() - started
             outputs += self._finish_in_flight()
         else:
             pending = self.executor.launch_forward(scheduler_output)  # type: ignore[attr-defined]
+            launch_seconds = time.perf_counter() - started
             outputs += self._finish_in_flight()  # the tokens the bitmask depends on
             if isinstance(pending, AsyncModelRunnerOutput):  # nothing samples after all
                 launched = pending
             else:
                 grammar = self.scheduler.deferred_grammar_output(scheduler_output)
+                started = time.perf_counter()
                 launched = self.executor.sample_tokens(pending, grammar)  # type: ignore[attr-defined]
+                launch_seconds += time.perf_counter() - started
         self._in_flight = (scheduler_output, launched)
-        self._launched_at = launched_at
+        self._launch_seconds = launch_seconds
         return outputs
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
@@ -217,8 +221,10 @@ class EngineCore:
             return []
         scheduler_output, launched = self._in_flight
         self._in_flight = None
+        started = time.perf_counter()
         runner_output = launched.result()
-        self._add_step_cost(scheduler_output, runner_output, self._launched_at)
+        host_seconds = self._launch_seconds + time.perf_counter() - started
+        self._add_step_cost(scheduler_output, runner_output, host_seconds)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_sync(self) -> list[EngineCoreOutput]:
@@ -228,21 +234,18 @@ class EngineCore:
                 self.executor.execute_model(scheduler_output)
             self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
             return []
-        launched_at = time.perf_counter()
+        started = time.perf_counter()
         runner_output = self.executor.execute_model(scheduler_output)
-        self._add_step_cost(scheduler_output, runner_output, launched_at)
+        self._add_step_cost(scheduler_output, runner_output, time.perf_counter() - started)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _add_step_cost(
-        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput, launched_at: float
+        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput, host_seconds: float
     ) -> None:
-        """Count a forward whose outputs just came in (launched at `launched_at`, perf_counter)
-        into `step_tokens`, `step_seconds` (its device_seconds, timed by CUDA events; on a
-        CPU, the host's view) and its roofline cost into `step_cost` (nothing without a
-        `model_cost`)."""
-        now = time.perf_counter()
-        host_seconds = now - max(launched_at, self._last_applied_at)
-        self._last_applied_at = now
+        """Count a forward whose outputs just came in into `step_tokens`, `step_seconds` (its
+        device_seconds, timed by CUDA events; without them (a CPU), `host_seconds`: the
+        seconds the host spent launching it and waiting for its outputs) and its roofline
+        cost into `step_cost` (nothing without a `model_cost`)."""
         device_seconds = output.device_seconds
         self.step_seconds += host_seconds if device_seconds is None else device_seconds
         self.step_tokens += scheduler_output.total_num_scheduled_tokens

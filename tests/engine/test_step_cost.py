@@ -1,7 +1,9 @@
 """The engine core's roofline cost of each step (`EngineCore.step_cost`): exactly
 `roofline.step_cost` of what the step ran, counted in the step that applies its tokens."""
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,3 +54,39 @@ def test_step_cost_is_the_cost_of_the_forwards_applied(async_scheduling: bool) -
     assert core.model_cost.layer_windows == (None,) * len(core.model_cost.layer_windows)
     engine.step()
     assert core.step_cost == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_cpu_step_seconds_are_each_forwards_own(
+    async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CPU a forward runs inside its launch call (no device_seconds): each record's
+    seconds are that call's, at least the 30 ms per token it sleeps here. With async
+    scheduling the forward launched before the previous one is applied was timed from that
+    apply, so each record held the next forward's time (a 4-token chunk at a 1-token
+    decode's 30 ms, the last decode at ~0 s: an absurd MBU)."""
+    engine = make_llm(async_scheduling).llm_engine
+    executor = engine.engine_core.executor
+    sleep_per_token = 0.03
+
+    def slow(launch: Any) -> Any:
+        def call(scheduler_output: Any, *args: Any) -> Any:
+            time.sleep(sleep_per_token * scheduler_output.total_num_scheduled_tokens)
+            return launch(scheduler_output, *args)
+
+        return call
+
+    for name in ("execute_model", "execute_model_async"):
+        monkeypatch.setattr(executor, name, slow(getattr(executor, name)))
+    engine.add_request(
+        "r", {"prompt_token_ids": list(range(1, 13))}, SamplingParams(max_tokens=4, ignore_eos=True)
+    )
+    engine.step_records = []
+    while engine.has_unfinished_requests():
+        engine.step()
+    forwards = [r for r in engine.step_records if r.num_tokens]
+    assert [r.num_tokens for r in forwards] == [8, 4, 1, 1, 1]
+    for r in forwards:
+        assert r.seconds >= sleep_per_token * r.num_tokens, forwards
+    # The 8-token chunk's seconds are not its own and the next forward's.
+    assert forwards[0].seconds < sleep_per_token * (8 + 4), forwards

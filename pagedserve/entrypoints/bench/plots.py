@@ -39,6 +39,34 @@ def _pyplot() -> Any:
     return plt
 
 
+def plot_path(path: str) -> Path:
+    """--plot's file, checked before the benchmark runs (so that a typo does not cost the
+    run): `path`, with ".png" added when it has no suffix (matplotlib adds it unasked, and the
+    command would name a file it did not write). Raises ImportError without matplotlib (with
+    `INSTALL_HINT`), ValueError for a folder or a suffix matplotlib cannot write."""
+    check_matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"--plot {path}: is a folder; name the PNG to write")
+    if not file.suffix:
+        return file.with_name(file.name + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if file.suffix[1:].lower() not in formats:
+        raise ValueError(
+            f"--plot {path}: matplotlib cannot write {file.suffix!r} files "
+            f"(it writes {', '.join('.' + f for f in sorted(formats))})"
+        )
+    return file
+
+
+def _save(fig: Any, path: str | Path) -> None:
+    """Write `fig` to `path`, making its folder as --result-dir does. Raises OSError."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
 def step_floors(records: Sequence[StepRecord], peaks: Peaks) -> list[float | None]:
     """Each step's roofline floor in seconds: max(step_bytes / bandwidth, step_flops / flops)
     over the peaks that are known; None for a step without a forward or without any peak."""
@@ -91,7 +119,7 @@ def plot_steps(
                     transform=bottom.transAxes)  # fmt: skip
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)
     return {
         "num_steps": len(steps),
@@ -128,5 +156,5 @@ def plot_sweep(
         axis.grid(True, alpha=0.3)
     fig.suptitle(f"{title} (points: max concurrency)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path)
     plt.close(fig)

@@ -19,7 +19,7 @@ from pagedserve.entrypoints.bench.datasets import (
     read_sharegpt,
     sample_requests,
 )
-from pagedserve.entrypoints.bench.plots import check_matplotlib, plot_sweep
+from pagedserve.entrypoints.bench.plots import plot_path, plot_sweep
 from pagedserve.entrypoints.bench.results import (
     add_result_args,
     model_tag,
@@ -302,9 +302,12 @@ def main(args: argparse.Namespace) -> int:
             "pagedserve bench serve: error: --result-filename names one file and a sweep of "
             "--max-concurrency writes one per value: leave it out"
         )
+    if args.plot:
+        try:
+            args.plot = str(plot_path(args.plot))  # before the runs, so a typo costs none
+        except (ImportError, ValueError) as e:
+            raise SystemExit(f"pagedserve bench serve: error: {e}") from None
     try:
-        if args.plot:
-            check_matplotlib()
         if args.dataset_name == "sharegpt" and args.dataset_path:
             read_sharegpt(args.dataset_path)  # a bad file fails before any request
         results = []
@@ -315,13 +318,16 @@ def main(args: argparse.Namespace) -> int:
             name = f"{result['backend']}-{rate}qps{concurrency}-{model_tag(result['model_id'])}"
             save_result(args, result, f"{name}-{result['date']}.json")
             results.append(result)
-    except (DatasetError, ImportError) as e:
+    except DatasetError as e:
         raise SystemExit(f"pagedserve bench serve: error: {e}") from None
     except httpx.HTTPError as e:
         raise SystemExit(f"pagedserve bench serve: error: cannot reach the server: {e!r}") from None
     if args.plot:
         selected = [k for k in args.percentile_metrics.split(",") if k != "itl"] or ["itl"]
         title = f"{model_tag(results[0]['model_id'])}: {results[0]['num_prompts']} requests"
-        plot_sweep(results, selected, args.plot, title)
+        try:
+            plot_sweep(results, selected, args.plot, title)
+        except (ValueError, OSError) as e:  # no request completed; the file cannot be written
+            raise SystemExit(f"pagedserve bench serve: error: --plot: {e}") from None
         print(f"plot saved to {args.plot}")
     return 0

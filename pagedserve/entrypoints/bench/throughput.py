@@ -129,15 +129,19 @@ def print_roofline(summary: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run `bench throughput` on parsed flags; dataset errors end it with one line."""
-    from pagedserve.entrypoints.bench.plots import check_matplotlib
+    from pagedserve.entrypoints.bench.plots import plot_path
     from pagedserve.errors import InvalidRequestError
+    from pagedserve.roofline import device_peaks
     from pagedserve.sampling_params import SamplingParams
 
-    if args.plot:
-        try:
-            check_matplotlib()
-        except ImportError as e:
-            raise SystemExit(f"pagedserve bench throughput: error: {e}") from None
+    # What the summary and the plot after the run need is checked before it, so that a bad
+    # --plot or PAGEDSERVE_PEAK_* does not cost the run.
+    try:
+        device_peaks(None)
+        if args.plot:
+            args.plot = str(plot_path(args.plot))
+    except (ImportError, ValueError) as e:
+        raise SystemExit(f"pagedserve bench throughput: error: {e}") from None
 
     if args.input_len is not None:
         args.random_input_len = args.input_len
@@ -176,7 +180,10 @@ def main(args: argparse.Namespace) -> int:
     metrics = throughput_metrics(requests, outputs, elapsed)
     print_throughput(metrics)
     title = f"{model_tag(args.model)}: {len(requests)} requests, bench throughput"
-    roofline = roofline_summary(llm, args.plot, title)
+    try:
+        roofline = roofline_summary(llm, args.plot, title)
+    except OSError as e:  # the plot's file cannot be written
+        raise SystemExit(f"pagedserve bench throughput: error: --plot: {e}") from None
     print_roofline(roofline)
     result = {"date": timestamp(), "model_id": args.model, **metrics, **roofline}
     save_result(args, result, f"throughput-{model_tag(args.model)}-{result['date']}.json")

@@ -60,6 +60,35 @@ def test_throughput_roofline_and_plot(
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.parametrize(
+    ("plot", "env", "words"),
+    [
+        ("{tmp}", "", "--plot {tmp}: is a folder"),
+        ("{tmp}/steps.pnj", "", "matplotlib cannot write '.pnj' files"),
+        (None, "junk", "PAGEDSERVE_PEAK_BANDWIDTH must be a positive number, got 'junk'"),
+    ],
+)
+def test_throughput_refuses_a_bad_plot_or_peak_before_the_run(
+    plot: str | None,
+    env: str,
+    words: str,
+    tmp_path: Path,
+    capsys: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the summary and --plot need after the run is checked before it: one line, and
+    no run thrown away (a traceback after it, the result unsaved, before)."""
+    monkeypatch.setenv("PAGEDSERVE_PEAK_BANDWIDTH", env)
+    argv = ["bench", "throughput", "--num-prompts", "1", "--random-input-len", "4",
+            "--random-output-len", "2", *ENGINE]  # fmt: skip
+    if plot is not None:
+        argv += ["--plot", plot.format(tmp=tmp_path)]
+    with pytest.raises(SystemExit, match="pagedserve bench throughput: error: ") as exit_info:
+        cli_main(argv)
+    assert words.format(tmp=tmp_path) in str(exit_info.value)
+    assert "Throughput:" not in capsys.readouterr().out
+
+
 def test_throughput_on_a_sharegpt_file(tmp_path: Path, capsys: Any) -> None:
     prompts = ["Once upon a time there was a little dog.", "The girl saw a big red ball."]
     data = [

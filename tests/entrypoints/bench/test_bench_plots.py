@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.entrypoints.bench.plots import plot_steps, plot_sweep, step_floors
+from pagedserve.entrypoints.bench.plots import plot_path, plot_steps, plot_sweep, step_floors
 from pagedserve.roofline import Peaks, StepRecord
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -65,3 +65,25 @@ def test_sweep_plot(tmp_path: Path) -> None:
     failed = [dict(r, completed=0) for r in results]
     with pytest.raises(ValueError, match="no request completed in any run"):
         plot_sweep(failed, ["ttft"], tmp_path / "none.png", "sweep")
+
+
+def test_plot_path_is_checked_before_the_run(tmp_path: Path) -> None:
+    """A name without a suffix gets the ".png" matplotlib would add unasked (the command names
+    the file it writes); a folder or a format matplotlib lacks is refused."""
+    assert plot_path(str(tmp_path / "steps")) == tmp_path / "steps.png"
+    assert plot_path(str(tmp_path / "steps.svg")) == tmp_path / "steps.svg"
+    with pytest.raises(ValueError, match="is a folder"):
+        plot_path(str(tmp_path))
+    with pytest.raises(ValueError, match="cannot write '.pnj' files"):
+        plot_path(str(tmp_path / "steps.pnj"))
+
+
+def test_plots_make_their_folder(tmp_path: Path) -> None:
+    """As --result-dir: a folder that does not exist yet is made (not a FileNotFoundError
+    after the whole run)."""
+    path = tmp_path / "new" / "deeper" / "steps.png"
+    plot_steps(RECORDS, PEAKS, path, "test run")
+    assert path.read_bytes().startswith(PNG)
+    results = [{"max_concurrency": 1, "output_throughput": 1.0, "median_ttft_ms": 1.0}]
+    plot_sweep(results, ["ttft"], tmp_path / "other" / "sweep.png", "sweep")
+    assert (tmp_path / "other" / "sweep.png").read_bytes().startswith(PNG)

@@ -139,3 +139,19 @@ def test_bench_serve_sweep_refuses_one_result_filename() -> None:
     argv = ["--max-concurrency", "1,2", "--save-result", "--result-filename", "r.json"]
     with pytest.raises(SystemExit, match="--result-filename names one file"):
         cli_main(["bench", "serve", *argv])
+
+
+def test_bench_serve_plot_of_failed_runs_is_one_line(
+    server: Server, tmp_path: Path, capsys: Any
+) -> None:
+    """Every request refused (prompts longer than the server's context): the runs' results are
+    saved, and --plot, which has no point to draw, ends with one line, not a traceback."""
+    argv = ["bench", "serve", "--base-url", server.url, "--api-key", API_KEY,
+            "--num-prompts", "2", "--random-input-len", "2000", "--random-output-len", "2",
+            "--max-concurrency", "1,2", "--plot", str(tmp_path / "sweep.png"),
+            "--save-result", "--result-dir", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit, match="error: --plot: no request completed in any run"):
+        cli_main(argv)
+    assert capsys.readouterr().out.count("Serving Benchmark Result") == 2
+    assert len(list(tmp_path.glob("openai-infqps-concurrency*.json"))) == 2
+    assert not (tmp_path / "sweep.png").exists()

@@ -82,6 +82,30 @@ def check_quantiles_as_prometheus(page: Page) -> None:
         )
 
 
+def check_mean_percent(page: Page) -> None:
+    """The page's mean of a 0..1 histogram between two scrapes, in %: the observations added
+    (all of them without an earlier scrape); none without observations or across a server's
+    restart, also one whose new steps outnumber the old ones (a negative mean before)."""
+    cases: list[tuple[list[float], list[float] | None, float | None]] = [
+        ([3.0, 10.0], [1.0, 6.0], 50.0),
+        ([3.0, 10.0], None, 30.0),
+        ([3.0, 10.0], [3.0, 10.0], None),
+        ([0.5, 2.0], [3.0, 10.0], None),
+        ([0.5, 12.0], [3.0, 10.0], None),
+    ]
+    for now, before, expected in cases:
+        got = page.evaluate(
+            "([n, b]) => pagedserveDashboard.meanPercent({mbuSum: n[0], mbuCount: n[1]}, "
+            "b && {mbuSum: b[0], mbuCount: b[1]}, 'mbu')",
+            [now, before],
+        )
+        assert got == pytest.approx(expected) if expected is not None else got is None, (
+            now,
+            before,
+            got,
+        )
+
+
 def check_parsing(page: Page) -> None:
     """The page's parser on the text format's corners: escaped quotes, braces and backslashes
     in label values, +Inf, exponents, a timestamp after the value, comments."""
@@ -192,6 +216,7 @@ def test_the_page_in_chromium_shows_a_known_workload(
                 assert kv and all(0 <= v <= 100 for v in kv)
                 check_quantiles_as_prometheus(page)
                 check_parsing(page)
+                check_mean_percent(page)
                 assert errors == []
                 next_scrape(page)
                 page.screenshot(path=str(SCREENSHOT), full_page=True)
