@@ -187,7 +187,7 @@ class EngineCore:
             return self._step_sync() + self.scheduler.take_pending_outputs()
         outputs = self.scheduler.take_pending_outputs()
         if self._in_flight is not None and not self.scheduler.can_schedule_ahead:
-            outputs = self._finish_in_flight()
+            outputs += self._finish_in_flight()  # (not `=`: that dropped the pending ones)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.finished_request_ids:  # let workers drop finished state

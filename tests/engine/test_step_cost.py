@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.messages import EngineCoreOutput
 from pagedserve.roofline import step_cost
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
@@ -90,3 +91,20 @@ def test_cpu_step_seconds_are_each_forwards_own(
         assert r.seconds >= sleep_per_token * r.num_tokens, forwards
     # The 8-token chunk's seconds are not its own and the next forward's.
     assert forwards[0].seconds < sleep_per_token * (8 + 4), forwards
+
+
+def test_outputs_finished_outside_a_step_survive_a_step_that_waits() -> None:
+    """Async scheduling with a request whose sampling reads its output tokens on the host
+    (a repetition penalty) finishes the step in flight before scheduling the next. An output
+    made outside a step (a request whose grammar failed to compile) was then dropped: its
+    client never heard that the request ended."""
+    engine = make_llm(async_scheduling=True).llm_engine
+    core = engine.engine_core
+    params = SamplingParams(max_tokens=6, ignore_eos=True, repetition_penalty=1.2)
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, params)
+    engine.step()  # launched; in flight
+    assert not core.scheduler.can_schedule_ahead and core._in_flight is not None
+    failed = EngineCoreOutput("other", [], finish_reason="abort")
+    core.scheduler._pending_outputs.append(failed)
+    outputs = core.step()
+    assert failed in outputs
