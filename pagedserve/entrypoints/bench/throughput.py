@@ -121,7 +121,9 @@ def roofline_summary(llm: Any, plot: str | None, title: str) -> dict[str, Any]:
 def print_roofline(summary: dict[str, Any]) -> None:
     """One line: the steps, and MBU / MFU where the device's peaks are known."""
     shown = [f"{summary['num_steps']} steps"]
-    shown += [f"{k.upper()}: {100 * summary[k]:.1f}%" for k in ("mbu", "mfu") if summary[k]]
+    shown += [
+        f"{k.upper()}: {100 * summary[k]:.1f}%" for k in ("mbu", "mfu") if summary[k] is not None
+    ]
     if summary["mbu"] is None and summary["mfu"] is None:
         shown.append("MBU / MFU: no device peaks known")
     print("Roofline: " + ", ".join(shown))
