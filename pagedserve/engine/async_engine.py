@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -83,6 +84,28 @@ class AsyncLLMEngine:
         served_model_name: str | None = None,
     ) -> None:
         self.engine_args = engine_args
+        # A local model's core starts first: its imports and model loading then overlap this
+        # process's own (config, tokenizer), which took as long again on an 8B start-up. A
+        # Hub id is resolved (and downloaded) here first, once, and the core reads the folder.
+        early_core = EngineCoreClient(engine_args, wait=False) if _local(engine_args) else None
+        try:
+            self._init(engine_args, early_core, log_requests, log_stats, log_stats_interval_s,
+                       metrics, served_model_name)  # fmt: skip
+        except BaseException:
+            if early_core is not None:
+                early_core.shutdown()
+            raise
+
+    def _init(
+        self,
+        engine_args: EngineArgs,
+        early_core: EngineCoreClient | None,
+        log_requests: bool,
+        log_stats: bool,
+        log_stats_interval_s: float,
+        metrics: EngineMetrics | None,
+        served_model_name: str | None,
+    ) -> None:
         self.config = engine_args.create_engine_config()
         model_config = self.config.model_config
         self.tokenizer, self.input_processor, self.output_processor = build_processors(self.config)
@@ -102,7 +125,8 @@ class AsyncLLMEngine:
         log_generation_defaults(model_config)
         # The core builds its config from the folders resolved here: a Hub id is looked up
         # (and downloaded) once, in this process.
-        self.core = EngineCoreClient(engine_args.resolved(self.config))
+        self.core = early_core or EngineCoreClient(engine_args.resolved(self.config), wait=False)
+        self.core.wait_ready()
         self.metrics.peaks = device_peaks(self.core.device_name)
 
     @classmethod
@@ -352,3 +376,10 @@ class AsyncLLMEngine:
             line = self.metrics.log_line(time.monotonic())
             if line is not None:
                 logger.info(line)
+
+
+def _local(engine_args: EngineArgs) -> bool:
+    """Whether the model and tokenizer are local folders (nothing to resolve on the Hub)."""
+    return os.path.isdir(engine_args.model) and (
+        engine_args.tokenizer is None or os.path.isdir(engine_args.tokenizer)
+    )

@@ -41,13 +41,13 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 class EngineCoreClient:
     """The API server's side of the engine-core process (see `core_proc` for the messages).
 
-    Construction blocks until the core has loaded the model and sized its KV cache, and raises
-    ValueError (a bad option, e.g. a KV cache that does not fit) or RuntimeError with the
-    core's traceback if that fails. `send_*` never block; they raise
-    EngineDeadError once the core is gone.
+    Construction starts the core; with `wait` (the default) it then blocks until the core has
+    loaded the model and sized its KV cache (`wait_ready`, which raises ValueError for a bad
+    option, e.g. a KV cache that does not fit, or RuntimeError with the core's traceback if
+    that fails). `send_*` never block; they raise EngineDeadError once the core is gone.
     """
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs, wait: bool = True) -> None:
         check_not_importing_main()
         self._closed = False
         self._tmpdir = tempfile.mkdtemp(prefix="pagedserve-")
@@ -78,23 +78,40 @@ class EngineCoreClient:
             ),
             name="EngineCore",
         )
+        self._started = time.monotonic()
         with main_not_reimported():  # a script without a main guard works too
             self.process.start()
         ready_writer.close()
+        self._ready_reader: Any = ready_reader
+        self._input_address = input_address
+        self._ready = False
+        self.num_blocks = 0
+        self.sliding_window: int | None = None
+        self.device_name: str | None = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the core is ready (idempotent); on failure, stop it and raise as the
+        class docstring says."""
+        if self._ready:
+            return
         try:
             # The KV cache's size and the model's sliding window (None: none for every
             # layer), for checking that a request fits before sending it; the CUDA device's
             # name (None: a CPU) for the roofline peaks of the metrics.
-            self.num_blocks, self.sliding_window, self.device_name = self._wait_ready(ready_reader)
+            ready = self._wait_ready(self._ready_reader)
         except BaseException:
             self.shutdown()
             raise
         finally:
-            ready_reader.close()
-        self._input.connect(input_address)
+            self._ready_reader.close()
+        self.num_blocks, self.sliding_window, self.device_name = ready
+        self._input.connect(self._input_address)
+        self._ready = True
 
     def _wait_ready(self, ready_reader: Any) -> tuple[int, int | None, str | None]:
-        start = time.monotonic()
+        waited = time.monotonic()
         while not ready_reader.poll(0.1):
             if not self.process.is_alive():
                 raise RuntimeError(
@@ -111,8 +128,12 @@ class EngineCoreClient:
             raise NotImplementedError(payload)
         if kind != "ready":
             raise RuntimeError(f"the engine core failed to start:\n{payload}")
+        now = time.monotonic()
         logger.info(
-            "engine core ready in %.1f s (pid %d)", time.monotonic() - start, self.process.pid
+            "engine core ready in %.1f s after its start (this process waited %.1f s; pid %d)",
+            now - self._started,
+            now - waited,
+            self.process.pid,
         )
         num_blocks, sliding_window, device_name = payload
         return int(num_blocks), sliding_window, device_name
@@ -181,6 +202,8 @@ class EngineCoreClient:
         if self._closed:
             return
         self._closed = True
+        if not self._ready:  # still starting, not listening yet: nothing to wait for
+            self.process.kill()
         if self.process.is_alive():
             with contextlib.suppress(zmq.ZMQError):
                 self._input.send(encode(Shutdown()), flags=zmq.DONTWAIT)

@@ -87,7 +87,10 @@ def run_engine_core(
         age = process_age_seconds()
         if age is not None:  # the process's start: Python, torch and the model code's imports
             logger.info("engine core process up in %.1f s (imports)", age)
-        core = EngineCore(EngineArgs(**engine_args).create_engine_config())
+        start = time.perf_counter()
+        config = EngineArgs(**engine_args).create_engine_config()
+        logger.info("engine config in %.1f s", time.perf_counter() - start)
+        core = EngineCore(config)
         loop = _CoreLoop(core, input_address, output_address, parent_pid)
     except BaseException as e:
         # A ValueError names a bad option, a NotImplementedError an unsupported checkpoint

@@ -316,7 +316,14 @@ def run_server(args: argparse.Namespace) -> None:
         sock = bind_socket(args.host, args.port)
     except (ValueError, OSError) as e:
         raise SystemExit(f"pagedserve serve: error: {e}") from None
-    logger.info("starting the engine for %s; the server answers once it is ready", args.model)
+    from pagedserve.process_start import process_age_seconds
+
+    age = process_age_seconds()
+    logger.info(
+        "starting the engine for %s%s; the server answers once it is ready",
+        args.model,
+        "" if age is None else f" ({age:.1f} s after the process started)",
+    )
     try:
         engine = AsyncLLMEngine.from_engine_args(
             engine_args_from_namespace(args),
@@ -374,8 +381,6 @@ def run_server(args: argparse.Namespace) -> None:
         port = sock.getsockname()[1]  # the one the system chose for --port 0
         scheme = "https" if args.ssl_certfile else "http"
         url = f"{scheme}://{args.host}:{port}{args.root_path or ''}"
-        from pagedserve.process_start import process_age_seconds
-
         age = process_age_seconds()
         since = "" if age is None else f" ({age:.1f} s after the process started)"
         logger.info("serving %s on %s%s", ", ".join(args.served_model_name), url, since)
