@@ -85,6 +85,16 @@ class SamplingFields(RequestModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # ignored
+    # OpenAI fields pagedserve does not implement: a 400 naming the one given unless it
+    # has its no-op value (request_params._UNSUPPORTED), never silently ignored.
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    prediction: Any = None
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
     # vLLM's extra sampling parameters
     top_k: int | None = None
     min_p: float | None = None

@@ -65,6 +65,28 @@ _UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
         "is not implemented by pagedserve yet (RAG documents for the chat template)",
         (None, []),
     ),
+    # OpenAI's chat fields (the completions endpoint takes them the same way)
+    "store": ("(stored completions) is not implemented by pagedserve", (None, False)),
+    "metadata": ("(stored completions' tags) is not implemented by pagedserve", (None, {})),
+    "service_tier": (
+        "is not implemented by pagedserve (one tier; auto and default are accepted)",
+        (None, "auto", "default"),
+    ),
+    "prediction": (
+        "(predicted outputs, speculative decoding) is not implemented by pagedserve yet",
+        (None,),
+    ),
+    "modalities": (
+        "asks for output other than text, which pagedserve does not make",
+        (None, ["text"]),
+    ),
+    "audio": ("(audio output) is not implemented by pagedserve", (None,)),
+    "web_search_options": ("is not implemented by pagedserve (no web search)", (None,)),
+    "reasoning_effort": (
+        "is not implemented by pagedserve yet; pass your chat template's own variable in "
+        "chat_template_kwargs (e.g. enable_thinking for Qwen3)",
+        (None,),
+    ),
     "echo": (
         "(vLLM's: prepend the last message to the answer) is not implemented in "
         "/v1/chat/completions yet",

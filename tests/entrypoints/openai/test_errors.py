@@ -134,6 +134,15 @@ _VLLM_EXTRAS = {  # vLLM request extras pagedserve does not implement: value, no
     "mm_processor_kwargs": ({"num_crops": 4}, {}),
     "media_io_kwargs": ({"video": {"num_frames": 4}}, {}),
     "documents": ([{"title": "t", "text": "x"}], []),
+    # OpenAI's fields, with what clients send by default
+    "store": (True, False),
+    "metadata": ({"user": "u"}, {}),
+    "service_tier": ("flex", "auto"),
+    "prediction": ({"type": "content", "content": "x"}, None),
+    "modalities": (["text", "audio"], ["text"]),
+    "audio": ({"voice": "alloy", "format": "wav"}, None),
+    "web_search_options": ({}, None),
+    "reasoning_effort": ("low", None),
 }
 
 
