@@ -85,9 +85,10 @@ class EngineMetrics:
     the peak FLOP/s (fractions; one rank's, on one device's peaks). `peaks` (default: the
     PAGEDSERVE_PEAK_* variables' only; AsyncLLMEngine sets the core's device's) may be
     replaced later. Without a peak (a CPU, an unlisted device) its histogram stays empty and
-    its gauge NaN, and the log line leaves it out. A step's seconds are the core's from its
-    start to its outputs; with async scheduling that call waits for the forward launched by
-    the call before, so a single step's figure is approximate, their average is not.
+    its gauge NaN, and the log line leaves it out. A step's seconds are its forward's
+    (`EngineCoreOutputs.step_seconds`: CUDA events on a GPU, the host's time in the forward's
+    calls on a CPU), not the step's wall time, which with async scheduling holds the forward
+    launched by the step before.
     """
 
     def __init__(
