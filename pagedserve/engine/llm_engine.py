@@ -58,7 +58,7 @@ def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputP
     tokenizer = None
     if not model_config.skip_tokenizer_init:
         tokenizer = load_tokenizer(model_config.tokenizer, model_config.trust_remote_code)
-    vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0))
+    vocab_size = int(getattr(model_config.hf_text_config, "vocab_size", 0))
     if not vocab_size and tokenizer is not None:
         vocab_size = len(tokenizer)
     input_processor = InputProcessor(

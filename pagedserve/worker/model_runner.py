@@ -216,7 +216,7 @@ class ModelRunner:
 
 
 def _vocab_size(config: EngineConfig) -> int:
-    return int(config.model_config.hf_config.vocab_size)
+    return int(config.model_config.hf_text_config.vocab_size)
 
 
 def _timing_event(device: torch.device) -> "torch.cuda.Event | None":
