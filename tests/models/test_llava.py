@@ -192,6 +192,70 @@ def test_prefix_cache_hits_the_same_image_only(llava_dir: Path) -> None:
     assert other.num_cached_tokens <= offset // 4 * 4
 
 
+def test_prefix_hit_ending_inside_an_image(llava_dir: Path, llm: LLM) -> None:
+    """TWO after ONE with the same first image (tokens 5..8) shares blocks 0 and 1: the
+    second request starts at position 8, its image's last token (one row of the image)."""
+    cached = make_llm(llava_dir, enable_prefix_caching=True, block_size=4)
+    generate(cached, ONE, [image(3)])
+    images = [image(3), image(4)]
+    got = generate(cached, TWO, images)
+    assert got.prompt_token_ids[5:9] == [IMAGE_TOKEN_ID] * 4
+    assert got.num_cached_tokens == 8
+    expected = generate(llm, TWO, images).outputs[0].token_ids
+    assert list(got.outputs[0].token_ids) == list(expected)
+
+
+def test_preempted_image_requests_recompute_their_images(llava_dir: Path, llm: LLM) -> None:
+    """With too few blocks for all, requests are preempted and recomputed (their encoder
+    cache rebuilt): outputs as with ample blocks."""
+    prompts = [(TWO, [image(s), image(s + 1)]) for s in range(4)]
+    batch = [{"prompt": p, "multi_modal_data": {"image": ims}} for p, ims in prompts]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    small = make_llm(llava_dir, block_size=4, num_gpu_blocks_override=20, max_model_len=64)
+    assert [o.outputs[0].token_ids for o in small.generate(batch, params)] == expected
+    assert small.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_tensor_parallel_language_model(llava_dir: Path, llm: LLM) -> None:
+    """Two CPU ranks: the language model sharded, the vision tower replicated."""
+    images = [image(1), image(2)]
+    expected = generate(llm, TWO, images).outputs[0].token_ids
+    with make_llm(llava_dir, tensor_parallel_size=2) as parallel:
+        assert list(generate(parallel, TWO, images).outputs[0].token_ids) == list(expected)
+
+
+def test_bad_multi_modal_data_is_refused(llm: LLM) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"prompt": TWO, "multi_modal_data": {"image": image(1)}}, "do not match"),
+        ({"prompt": ONE, "multi_modal_data": {"video": image(1)}}, "modality 'video'"),
+        ({"prompt": ONE, "multi_modal_data": {"image": "cat.png"}}, "PIL.Image"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": image(1)}}, "text 'prompt'"),
+    ]
+    for prompt, message in cases:
+        with pytest.raises(ValueError, match=f"multi_modal_data.*{message}"):
+            llm.generate(prompt, GREEDY)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_async_engine_refuses_multi_modal_data(llava_dir: Path) -> None:
+    """The engine-core process's requests carry no images yet: refused, naming the field."""
+    from pagedserve import AsyncLLMEngine
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(llava_dir), dtype="float32", device="cpu", max_model_len=256,
+        num_gpu_blocks_override=64,
+    )  # fmt: skip
+    engine = AsyncLLMEngine.from_engine_args(args)
+    try:
+        with pytest.raises(ValueError, match="multi_modal_data is not supported by"):
+            engine.add_request("r", {"prompt": ONE, "multi_modal_data": {"image": image(1)}},
+                               GREEDY)  # fmt: skip
+    finally:
+        engine.shutdown()
+
+
 def test_chunked_prefill_through_an_image(llava_dir: Path, llm: LLM) -> None:
     """A 3-token budget splits each image's 4 tokens across steps (prefill chunks start at
     multiples of 3)."""
