@@ -160,6 +160,12 @@ class LLM:
     def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
         """Token ids of a beam-search prompt; as generate(), an empty text is a prompt where
         the tokenizer adds BOS, and only a prompt without tokens is refused."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # Each beam step is a prompt of token ids, which carries no images.
+            raise InvalidRequestError(
+                "beam_search does not support multi_modal_data yet; use generate",
+                "multi_modal_data",
+            )
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = list(prompt["prompt_token_ids"])
         else:

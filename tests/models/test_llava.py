@@ -236,6 +236,11 @@ def test_bad_multi_modal_data_is_refused(llm: LLM) -> None:
         with pytest.raises(ValueError, match=f"multi_modal_data.*{message}"):
             llm.generate(prompt, GREEDY)
     assert not llm.llm_engine.has_unfinished_requests()
+    from pagedserve.beam_search_params import BeamSearchParams
+
+    with pytest.raises(ValueError, match="beam_search does not support multi_modal_data"):
+        llm.beam_search([{"prompt": ONE, "multi_modal_data": {"image": image(1)}}],
+                        BeamSearchParams(beam_width=2, max_tokens=2))  # fmt: skip
 
 
 def test_async_engine_refuses_multi_modal_data(llava_dir: Path) -> None:
