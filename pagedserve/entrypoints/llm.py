@@ -83,7 +83,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
-        prompts: a string, {"prompt_token_ids": [...]}, or a list of either.
+        prompts: a string, {"prompt_token_ids": [...]}, or a list of either; for a
+            vision-language model (LLaVA) {"prompt": "USER: <image>\\n...", "multi_modal_data":
+            {"image": PIL image or a list of them}} (one image per "<image>").
         sampling_params: one for all prompts, or one per prompt (default:
             `get_default_sampling_params()`, the model's generation config's defaults).
         priority: one int per prompt (vLLM's): lower values are scheduled first, and

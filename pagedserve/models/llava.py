@@ -169,6 +169,8 @@ class LlavaForConditionalGeneration(nn.Module):
     def _is_unused_vision_weight(self, name: str) -> bool:
         if name.startswith("vision_tower.post_layernorm."):
             return True
+        if name == "vision_tower.embeddings.position_ids":
+            return True  # a buffer old transformers versions saved (arange); never read
         prefix = "vision_tower.encoder.layers."
         if not name.startswith(prefix):
             return False
