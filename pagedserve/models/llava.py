@@ -149,6 +149,9 @@ class LlavaForConditionalGeneration(nn.Module):
         loaded: set[str] = set()
         language_prefix = "language_model."
 
+        # One pass over the checkpoint (tensors are read one at a time): the language
+        # model's go on to its own load_weights, the vision tower's and projector's are
+        # loaded here as they pass.
         def language_weights() -> Iterable[tuple[str, torch.Tensor]]:
             for checkpoint_name, tensor in weights:
                 name = _our_name(checkpoint_name)

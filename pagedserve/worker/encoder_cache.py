@@ -11,13 +11,23 @@ the rows of the image that its own tokens cover:
 """
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from pagedserve.step import ScheduledRequest
 from pagedserve.worker.input_batch import CachedRequestState
+
+
+class _ImageSlice(NamedTuple):
+    """Rows [lo, hi) of one of a request's images go to the step's rows [row, row + hi - lo)."""
+
+    row: int
+    state: CachedRequestState
+    image: int  # its index in the request's mm_features
+    lo: int
+    hi: int
 
 
 def build_inputs_embeds(
@@ -31,7 +41,7 @@ def build_inputs_embeds(
     tokens, encoding the images not in the cache yet (all of the step's in one batch); None
     when the step feeds no image token (the model then embeds input_ids itself, the
     text-only path). Drops the cached images whose tokens this step finishes feeding."""
-    pieces: list[tuple[int, CachedRequestState, int, int, int]] = []  # (row, state, k, lo, hi)
+    pieces: list[_ImageSlice] = []
     missing: list[tuple[CachedRequestState, int]] = []
     for i, request in enumerate(scheduled):
         state = states[request.request_id]
@@ -40,9 +50,9 @@ def build_inputs_embeds(
         for k, feature in enumerate(state.mm_features):
             if not feature.overlaps(start, end):
                 continue
-            lo, hi = max(start, feature.offset), min(end, feature.end)
-            pieces.append((query_start_loc[i] + lo - start, state, k, lo - feature.offset,
-                           hi - feature.offset))  # fmt: skip
+            lo, hi = max(start, feature.offset), min(end, feature.end)  # prompt positions
+            row = query_start_loc[i] + lo - start
+            pieces.append(_ImageSlice(row, state, k, lo - feature.offset, hi - feature.offset))
             if k not in state.encoder_outputs:
                 missing.append((state, k))
     if not pieces:
