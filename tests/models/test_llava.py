@@ -172,6 +172,28 @@ def test_greedy_matches_transformers(
     assert len(output.prompt_token_ids) == len(llm.get_tokenizer().encode(prompt)) + 3 * len(seeds)
 
 
+def test_prompt_logprobs_and_parallel_sampling_with_an_image(llava_dir: Path, llm: LLM) -> None:
+    """Every prompt position's logits (image rows included) match transformers' forward;
+    n=2 children share the image."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    images = [image(1), image(2)]
+    processor = AutoProcessor.from_pretrained(str(llava_dir))
+    hf = LlavaForConditionalGeneration.from_pretrained(str(llava_dir)).eval()
+    inputs = processor(text=TWO, images=images, return_tensors="pt")
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(**inputs).logits[0].float(), dim=-1)
+    ids = inputs["input_ids"][0].tolist()
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, n=2)
+    [output] = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, params)
+    assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
+    for j in range(1, len(ids)):
+        got = output.prompt_logprobs[j][ids[j]].logprob
+        assert got == pytest.approx(float(logprobs[j - 1, ids[j]]), abs=1e-3), j
+    expected = hf_greedy(llava_dir, TWO, images)[:4]
+    assert [list(c.token_ids) for c in output.outputs] == [expected, expected]
+
+
 def test_different_images_give_different_outputs(llm: LLM) -> None:
     first = generate(llm, ONE, [image(1)]).outputs[0].token_ids
     second = generate(llm, ONE, [image(7)]).outputs[0].token_ids
