@@ -351,3 +351,18 @@ def test_text_prompt_without_images(llm: LLM) -> None:
     """A LLaVA prompt with no image runs the text-only path."""
     [output] = llm.generate("USER: Hello ASSISTANT:", GREEDY)
     assert len(output.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_registry_runs_llava_natively_only() -> None:
+    """LLaVA runs on our code (auto, pagedserve); the transformers backend runs no
+    multimodal config, so model_impl="transformers" is refused as for every other one."""
+    from transformers import LlavaConfig
+
+    from pagedserve.errors import UnsupportedModelError
+    from pagedserve.models.registry import check_model_impl
+
+    config = LlavaConfig(architectures=["LlavaForConditionalGeneration"])
+    assert check_model_impl(config, "auto") == "pagedserve"
+    assert check_model_impl(config, "pagedserve") == "pagedserve"
+    with pytest.raises(UnsupportedModelError, match="multimodal model .* text_config"):
+        check_model_impl(config, "transformers")
