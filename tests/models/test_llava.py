@@ -283,17 +283,28 @@ def test_async_engine_refuses_multi_modal_data(llava_dir: Path) -> None:
         engine.shutdown()
 
 
-def test_chunked_prefill_through_an_image(llava_dir: Path, llm: LLM) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_through_an_image(
+    llava_dir: Path, llm: LLM, async_scheduling: bool
+) -> None:
     """A 3-token budget splits each image's 4 tokens across steps (prefill chunks start at
-    multiples of 3)."""
+    multiples of 3); with async scheduling (CUDA's default) too."""
     images = [image(5), image(6)]
     expected = generate(llm, TWO, images)
     ids = expected.prompt_token_ids
     offsets = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID and ids[i - 1] != t]
     assert offsets and all(offset // 3 != (offset + 3) // 3 for offset in offsets)
-    chunked = make_llm(llava_dir, max_num_batched_tokens=3, enable_chunked_prefill=True)
-    output = generate(chunked, TWO, images).outputs[0].token_ids
-    assert list(output) == list(expected.outputs[0].token_ids)
+    chunked = make_llm(
+        llava_dir,
+        max_num_batched_tokens=3,
+        enable_chunked_prefill=True,
+        async_scheduling=async_scheduling,
+    )
+    prompts = [{"prompt": TWO, "multi_modal_data": {"image": images}}] * 2  # decode + prefill
+    outputs = chunked.generate(prompts, GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [
+        list(expected.outputs[0].token_ids)
+    ] * 2
 
 
 def test_batch_of_image_requests(llm: LLM) -> None:
