@@ -206,14 +206,30 @@ class ModelConfig:
                 f"({model_max_len}, from config.json)"
             )
 
+    @property
+    def hf_text_config(self) -> Any:
+        """The language model's config (vLLM's name): `text_config` of a multimodal config
+        (LLaVA nests its Llama there), else `hf_config` itself. Read the text model's fields
+        (vocab_size, layers, heads, context length) here, never on `hf_config`."""
+        return get_hf_text_config(self.hf_config)
+
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """The sampling defaults the generation config sets (vLLM's name): a copy of
         `diff_sampling_param`, e.g. {"temperature": 0.6, "max_tokens": 512}."""
         return dict(self.diff_sampling_param)
 
 
+def get_hf_text_config(hf_config: Any) -> Any:
+    """The config of a model's language side: a multimodal config's `text_config` (e.g.
+    LlavaConfig's LlamaConfig), else the config itself."""
+    text_config = getattr(hf_config, "text_config", None)
+    return hf_config if text_config is None else text_config
+
+
 def get_model_max_len(hf_config: Any) -> int:
-    """The model's context length from its config (`max_position_embeddings` or `n_positions`)."""
+    """The model's context length from its (language model's) config
+    (`max_position_embeddings` or `n_positions`)."""
+    hf_config = get_hf_text_config(hf_config)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(hf_config, name, None)
         if isinstance(value, int) and value > 0:
@@ -478,10 +494,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_tensor_parallel_size(
-            self.model_config.hf_config, self.parallel_config.tensor_parallel_size
+            self.model_config.hf_text_config, self.parallel_config.tensor_parallel_size
         )
         _check_experts_split(
-            self.model_config.hf_config,
+            self.model_config.hf_text_config,
             self.parallel_config.tensor_parallel_size,
             self.parallel_config.enable_expert_parallel,
         )

@@ -2,8 +2,10 @@
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import Any
 
+from pagedserve.multimodal import MultiModalFeature
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -55,8 +57,11 @@ class Request:
         sharing_group: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
     ) -> None:
         self.request_id = request_id
+        # The prompt's images, in prompt order (their placeholder tokens are in the prompt).
+        self.mm_features = tuple(mm_features)
         # Order under the "priority" scheduling policy: lower runs first (vLLM's meaning).
         self.priority = priority
         # Salts the prefix-cache hashes (vLLM's cache_salt): only requests with the same salt

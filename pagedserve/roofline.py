@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve import envs
+from pagedserve.config import get_hf_text_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,7 @@ def model_cost(
     `max_model_len`; CacheConfig's `kv_cache_dtype`) on one of `tp_size` ranks. The counts
     are the module docstring's approximations; GPT-2 has a 4x non-gated MLP, every other
     model a gated one (3 projections)."""
-    config = getattr(hf_config, "text_config", None) or hf_config
+    config = get_hf_text_config(hf_config)
     hidden = config.hidden_size
     num_layers = config.num_hidden_layers
     num_heads = config.num_attention_heads

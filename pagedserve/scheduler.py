@@ -301,6 +301,7 @@ class Scheduler:
                     request.num_prompt_tokens,
                     request.sampling_params,
                     request.prompt_token_ids,
+                    request.mm_features,
                 )
             )
             plan.add(request, num_new_tokens, new_block_ids)

@@ -10,6 +10,7 @@ import numpy as np
 # The logprobs data are messages too (they reach the API server's process in EngineCoreOutput);
 # re-exported here, where the workers produce them.
 from pagedserve.messages import PromptLogprobsData, SampleLogprobsData
+from pagedserve.multimodal import MultiModalFeature
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -26,6 +27,9 @@ class NewRequestData:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
+    # The prompt's images (pixels and placeholder ranges), encoded by the worker when a step
+    # first feeds their tokens; () for a text-only prompt.
+    mm_features: tuple[MultiModalFeature, ...] = ()
 
 
 # Stands in `ScheduledRequest.token_ids` for the token that the step in flight samples (async

@@ -85,6 +85,7 @@ LEAVES = {
     "pagedserve.quant_files",
     "pagedserve.outputs",
     "pagedserve.roofline",
+    "pagedserve.multimodal",
 }
 # Never import torch (anywhere in their body, except config's device check): their tests run
 # in milliseconds and the API server's process stays free of model code.

@@ -292,7 +292,7 @@ def _structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
 
     return StructuredOutputManager(
         load,
-        int(model_config.hf_config.vocab_size),
+        int(model_config.hf_text_config.vocab_size),
         list(model_config.eos_token_ids),
         config.structured_outputs_config.reasoning_parser,
         disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace,

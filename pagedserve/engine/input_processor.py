@@ -6,13 +6,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.config import DEFAULT_MAX_LOGPROBS
+from pagedserve.engine.mm_processor import MultiModalProcessor
 from pagedserve.engine.prompt_bound import check_prompt_chars
 from pagedserve.errors import InvalidRequestError
+from pagedserve.multimodal import MultiModalFeature
 from pagedserve.sampling_params import SamplingParams, is_default_max_tokens
 from pagedserve.structured_output.backend_xgrammar import validate_structured_outputs
 
 # A prompt as vLLM accepts it: text, {"prompt": text}, or {"prompt_token_ids": [...]}; a
-# dict may carry a "cache_salt" (vLLM's TextPrompt / TokensPrompt field).
+# dict may carry a "cache_salt" (vLLM's TextPrompt / TokensPrompt field) and, for a
+# vision-language model, "multi_modal_data": {"image": PIL image or a list of them}.
 PromptType = str | Mapping[str, Any]
 
 
@@ -23,6 +26,7 @@ class ProcessedPrompt:
     # Resolved: max_tokens an int (never None), the model's EOS ids and bad words' ids filled in
     sampling_params: SamplingParams
     cache_salt: str | None = None  # the prompt's: only requests with the same salt share blocks
+    mm_features: tuple[MultiModalFeature, ...] = ()  # the prompt's images, in prompt order
 
 
 class InputProcessor:
@@ -36,11 +40,14 @@ class InputProcessor:
         eos_token_ids: tuple[int, ...],
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         scheduling_policy: str = "fcfs",
+        mm_processor: MultiModalProcessor | None = None,
     ) -> None:
         """max_logprobs: most logprobs or prompt_logprobs a request may ask for (-1: the
         vocabulary size). scheduling_policy: the engine's (SchedulerConfig), which decides
-        whether a request may have a priority (`check_priority`)."""
+        whether a request may have a priority (`check_priority`). mm_processor: a
+        vision-language model's (None: prompts with multi_modal_data are refused)."""
         self.scheduling_policy = scheduling_policy
+        self.mm_processor = mm_processor
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -58,11 +65,17 @@ class InputProcessor:
         Raises InvalidRequestError (a ValueError) for a prompt with no tokens (an empty text
         is one token where the tokenizer adds BOS), token ids outside the vocabulary (prompt
         or sampling parameters), a prompt (+ an explicit max_tokens) longer than
-        max_model_len, more logprobs than max_logprobs, or a "cache_salt" that is not a
-        non-empty string (as vLLM's server)."""
+        max_model_len, more logprobs than max_logprobs, a "cache_salt" that is not a
+        non-empty string (as vLLM's server), or "multi_modal_data" that this model cannot
+        take (a text-only model, no text prompt, truncation, a bad image)."""
         cache_salt = _cache_salt(prompt)
-        # A prompt to be truncated may be as long as it likes.
-        text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens is None)
+        mm_features: tuple[MultiModalFeature, ...] = ()
+        text: str | None
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+            text, token_ids, mm_features = self._process_multimodal(prompt, params)
+        else:
+            # A prompt to be truncated may be as long as it likes.
+            text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens is None)
         if not token_ids:
             raise InvalidRequestError(
                 "the prompt is empty: it has no tokens (an empty text has none where the "
@@ -91,7 +104,37 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
         )
-        return ProcessedPrompt(text, token_ids, resolved, cache_salt)
+        return ProcessedPrompt(text, token_ids, resolved, cache_salt, mm_features)
+
+    def _process_multimodal(
+        self, prompt: Mapping[str, Any], params: SamplingParams
+    ) -> tuple[str, list[int], tuple[MultiModalFeature, ...]]:
+        """A text prompt with images: the model's processor expands each image placeholder
+        (e.g. LLaVA's "<image>") to the image's tokens."""
+        if self.mm_processor is None:
+            raise InvalidRequestError(
+                "multi_modal_data was given but this model is text-only: it takes no images; "
+                "send the prompt without multi_modal_data, or serve a vision-language model "
+                "(LlavaForConditionalGeneration)",
+                "multi_modal_data",
+            )
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or "prompt_token_ids" in prompt:
+            raise InvalidRequestError(
+                "multi_modal_data needs a text 'prompt' holding the image placeholders (the "
+                "processor expands them to the image tokens); prompt_token_ids with images are "
+                "not supported",
+                "multi_modal_data",
+            )
+        if params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens is not supported with multi_modal_data (truncation "
+                "could cut an image's tokens)",
+                "truncate_prompt_tokens",
+            )
+        self._encode(text)  # the text's own checks (valid Unicode, length bound)
+        token_ids, features = self.mm_processor.process(text, prompt["multi_modal_data"])
+        return text, token_ids, features
 
     def check_priority(self, priority: int) -> None:
         """Check a request's priority (vLLM's: lower is handled earlier; any int64). Raises

@@ -6,10 +6,12 @@ from typing import Any
 from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from pagedserve.engine.mm_processor import MultiModalProcessor
 from pagedserve.engine.model_files import log_diff_sampling_param, remote_code_error
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.errors import InvalidRequestError, RequestFailedError
 from pagedserve.kv_cache.manager import check_fits_cache
+from pagedserve.multimodal import MultiModalFeature
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.roofline import StepRecord
@@ -58,9 +60,21 @@ def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputP
     tokenizer = None
     if not model_config.skip_tokenizer_init:
         tokenizer = load_tokenizer(model_config.tokenizer, model_config.trust_remote_code)
-    vocab_size = int(getattr(model_config.hf_config, "vocab_size", 0))
+    vocab_size = int(getattr(model_config.hf_text_config, "vocab_size", 0))
     if not vocab_size and tokenizer is not None:
         vocab_size = len(tokenizer)
+    # Imported here: importing the API server loads no pagedserve.models module.
+    from pagedserve.models.registry import MULTIMODAL_ARCHITECTURES
+
+    mm_processor = None
+    architectures = getattr(model_config.hf_config, "architectures", None) or []
+    if any(a in MULTIMODAL_ARCHITECTURES for a in architectures):
+        image_token_id = getattr(model_config.hf_config, "image_token_id", None)
+        if image_token_id is None:
+            image_token_id = model_config.hf_config.image_token_index
+        mm_processor = MultiModalProcessor(
+            model_config.model, int(image_token_id), model_config.trust_remote_code
+        )
     input_processor = InputProcessor(
         tokenizer,
         model_config.max_model_len,
@@ -68,6 +82,7 @@ def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputP
         model_config.eos_token_ids,
         model_config.max_logprobs,
         config.scheduler_config.scheduling_policy,
+        mm_processor,
     )
     return tokenizer, input_processor, OutputProcessor(tokenizer)
 
@@ -88,9 +103,11 @@ def child_requests(
     arrival_time: float | None = None,
     priority: int = 0,
     cache_salt: str | None = None,
+    mm_features: tuple[MultiModalFeature, ...] = (),
 ) -> list[Request]:
     """The engine-core requests of one user request (`params` resolved by the
-    InputProcessor: max_tokens an int), each with its `priority` and `cache_salt`: one, or
+    InputProcessor: max_tokens an int), each with its `priority`, `cache_salt` and images
+    (`mm_features`): one, or
     `best_of` (default
     n) named "{i}_{request_id}" (seeded children get seed + i, as in vLLM). They share the
     prompt's full blocks through the prefix cache. With best_of > n the children compute the
@@ -105,6 +122,7 @@ def child_requests(
                 arrival_time,
                 priority=priority,
                 cache_salt=cache_salt,
+                mm_features=mm_features,
             )
         ]
     logprobs = params.logprobs
@@ -124,6 +142,7 @@ def child_requests(
                 sharing_group=request_id,
                 priority=priority,
                 cache_salt=cache_salt,
+                mm_features=mm_features,
             )
         )
     return children
@@ -186,6 +205,7 @@ def register_request(
         arrival_time,
         priority,
         processed.cache_salt,
+        processed.mm_features,
     )
     check_child_ids_free(request_id, children, output_processor.child_to_parent)
     output_processor.add_request(

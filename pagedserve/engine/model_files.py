@@ -140,7 +140,11 @@ def read_eos_token_ids(
     if generation_config is None:
         generation_config = read_generation_config(model)
     ids: list[int] = []
-    sources = [generation_config.get("eos_token_id"), getattr(hf_config, "eos_token_id", None)]
+    sources = [
+        generation_config.get("eos_token_id"),
+        getattr(hf_config, "eos_token_id", None),
+        getattr(getattr(hf_config, "text_config", None), "eos_token_id", None),  # multimodal
+    ]
     for source in sources:
         for token_id in source if isinstance(source, list) else [source]:
             if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id not in ids:

@@ -83,7 +83,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
-        prompts: a string, {"prompt_token_ids": [...]}, or a list of either.
+        prompts: a string, {"prompt_token_ids": [...]}, or a list of either; for a
+            vision-language model (LLaVA) {"prompt": "USER: <image>\\n...", "multi_modal_data":
+            {"image": PIL image or a list of them}} (one image per "<image>").
         sampling_params: one for all prompts, or one per prompt (default:
             `get_default_sampling_params()`, the model's generation config's defaults).
         priority: one int per prompt (vLLM's): lower values are scheduled first, and
@@ -160,6 +162,12 @@ class LLM:
     def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
         """Token ids of a beam-search prompt; as generate(), an empty text is a prompt where
         the tokenizer adds BOS, and only a prompt without tokens is refused."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # Each beam step is a prompt of token ids, which carries no images.
+            raise InvalidRequestError(
+                "beam_search does not support multi_modal_data yet; use generate",
+                "multi_modal_data",
+            )
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = list(prompt["prompt_token_ids"])
         else:

@@ -4,6 +4,8 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from pagedserve.multimodal import MultiModalFeature
+
 BlockHash = bytes
 
 ROOT_HASH: BlockHash = b"pagedserve-root"
@@ -39,14 +41,20 @@ def hash_request_blocks(
     known: list[BlockHash],
     extra_keys: bytes = b"",
     cache_salt: str | None = None,
+    mm_features: Sequence[MultiModalFeature] = (),
 ) -> list[BlockHash]:
     """Extend `known` (hashes of the first full blocks) to every full block of `token_ids`;
-    `cache_salt` salts the first block (`root_hash`)."""
+    `cache_salt` salts the first block (`root_hash`). A block holding tokens of an image
+    (`mm_features`) adds the image's identifier to its extra keys (as vLLM's
+    `_gen_mm_extra_hash_keys`): an image's placeholder tokens are the same for every image,
+    so only its content tells two prompts apart; the chain carries it to later blocks."""
     num_full_blocks = len(token_ids) // block_size
     parent = known[-1] if known else root_hash(cache_salt)
     for i in range(len(known), num_full_blocks):
-        parent = hash_block_tokens(
-            parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys
+        start, end = i * block_size, (i + 1) * block_size
+        keys = extra_keys + b"".join(
+            f.identifier.encode() for f in mm_features if f.overlaps(start, end)
         )
+        parent = hash_block_tokens(parent, token_ids[start:end], keys)
         known.append(parent)
     return known

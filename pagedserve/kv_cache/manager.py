@@ -258,7 +258,12 @@ class KVCacheManager:
         # With prefix caching off only siblings may share: their group keys their hashes.
         extra_keys = b"" if self.enable_caching else (request.sharing_group or "").encode()
         return hash_request_blocks(
-            request.all_token_ids, self.block_size, known, extra_keys, request.cache_salt
+            request.all_token_ids,
+            self.block_size,
+            known,
+            extra_keys,
+            request.cache_salt,
+            request.mm_features,
         )
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -72,6 +72,16 @@ class GeluTanh(nn.Module):
         return F.gelu(x, approximate="tanh")
 
 
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): HF's "quick_gelu" (CLIP's vision and text towers)."""
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., n] float
+    ) -> torch.Tensor:  # [..., n] float
+        return x * torch.sigmoid(1.702 * x)
+
+
 def get_act_fn(name: str) -> nn.Module:
     """The activation module for an HF config's `activation_function`/`hidden_act` name.
 
@@ -83,7 +93,9 @@ def get_act_fn(name: str) -> nn.Module:
         return nn.GELU()
     if name == "relu":
         return nn.ReLU()
+    if name == "quick_gelu":
+        return QuickGELU()
     raise NotImplementedError(
         f"activation {name!r} is not supported; use gelu_new, gelu_pytorch_tanh, gelu_fast, "
-        "gelu or relu"
+        "gelu, relu or quick_gelu"
     )

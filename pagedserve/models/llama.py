@@ -234,8 +234,11 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] float
     ) -> torch.Tensor:  # [num_tokens, hidden_size] float
-        hidden_states = self.embed_tokens(input_ids)
+        """`inputs_embeds`, when given, replaces `embed_tokens(input_ids)` (a multimodal
+        model's prompt embeddings with its images' put in; CUDA graphs never pass it)."""
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
@@ -280,8 +283,14 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] float
     ) -> torch.Tensor:  # [num_tokens, hidden_size] float, final norm applied
-        hidden_states: torch.Tensor = self.model(input_ids, positions, attn_metadata)
+        """`inputs_embeds`: see LlamaModel.forward (passed only when given, so that models
+        built on other `self.model` classes need not take it)."""
+        if inputs_embeds is None:
+            hidden_states: torch.Tensor = self.model(input_ids, positions, attn_metadata)
+        else:
+            hidden_states = self.model(input_ids, positions, attn_metadata, inputs_embeds)
         return hidden_states
 
     def compute_logits(

@@ -30,12 +30,16 @@ _MODELS: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
         "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
         "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+        "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     }
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
 # Native architectures whose layers take no quantization method yet: the mixture-of-experts
 # models (their FusedMoE experts have no quantized weights or kernels).
 _UNQUANTIZED_ONLY = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+# Multimodal architectures (the language model's config in `text_config`) that our native
+# code runs; the transformers backend runs none.
+MULTIMODAL_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
 
 
 def resolve_model_impl(architectures: list[str], model_impl: str, hf_config: Any) -> str:
@@ -79,16 +83,23 @@ def check_model_impl(
     ValueError for tensor_parallel_size > 1 without a TP plan or a quantization method with
     the transformers backend (each naming the option and the way out); NotImplementedError
     for a quantization method with a native mixture-of-experts model (naming the method).
+    A multimodal config runs natively when its architecture is in MULTIMODAL_ARCHITECTURES
+    (LLaVA), with model_impl other than "transformers".
     """
     architectures = list(getattr(hf_config, "architectures", None) or [])
-    if getattr(hf_config, "text_config", None) is not None and not hasattr(hf_config, "vocab_size"):
+    native_multimodal = model_impl != "transformers" and any(
+        a in MULTIMODAL_ARCHITECTURES for a in architectures
+    )
+    is_multimodal = getattr(hf_config, "text_config", None) is not None
+    if is_multimodal and not hasattr(hf_config, "vocab_size") and not native_multimodal:
         # A composite (e.g. vision-language) config: the text model's fields live one level
         # down, where neither backend looks (transformers maps some of these
         # *ForConditionalGeneration classes into AutoModelForCausalLM).
         raise UnsupportedModelError(
             f"model architectures {architectures} are a multimodal model (config.json nests "
             f"its language model in text_config); vision-language models are not supported "
-            f"yet; a text-only checkpoint of the family (e.g. Gemma3ForCausalLM) runs"
+            f"yet, except natively {', '.join(sorted(MULTIMODAL_ARCHITECTURES))}; a text-only "
+            f"checkpoint of the family (e.g. Gemma3ForCausalLM) runs"
         )
     impl = resolve_model_impl(architectures, model_impl, hf_config)
     native = next((a for a in architectures if a in _MODELS), None)

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.multimodal import MultiModalFeature
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
@@ -19,6 +20,11 @@ class CachedRequestState:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]  # scored by prompt logprobs
     block_ids: list[int] = field(default_factory=list)  # block table
+    mm_features: tuple[MultiModalFeature, ...] = ()  # the prompt's images
+    # The encoder cache (`encoder_cache.build_inputs_embeds`): image index in mm_features ->
+    # its embeddings [length, hidden_size], from the first step that feeds one of its tokens
+    # to the step that feeds its last.
+    encoder_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

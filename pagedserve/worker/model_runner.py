@@ -23,6 +23,7 @@ from pagedserve.step import (
     SchedulerOutput,
 )
 from pagedserve.worker.cuda_graph import CudaGraphRunner
+from pagedserve.worker.encoder_cache import build_inputs_embeds
 from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.worker.input_batch import CachedRequestState, ModelInput, build_model_input
 from pagedserve.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
@@ -58,6 +59,8 @@ class ModelRunner:
         self.attention_layers: list[Attention] = []
         self.kv_caches: list[torch.Tensor] = []
         self.states: dict[str, CachedRequestState] = {}
+        # The requests in `states` with images: a step may need `inputs_embeds` only then.
+        self._image_request_ids: set[str] = set()
         self.sampler = Sampler()
         self.sampling_states = SamplingStateManager(_vocab_size(config), self.device)
         self.cuda_graphs: CudaGraphRunner | None = None
@@ -100,7 +103,23 @@ class ModelRunner:
             self._fill_placeholders(model_input)
         assert self.model is not None
         attn_metadata = model_input.attn_metadata
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(
+        inputs_embeds = None
+        if self._image_request_ids:
+            inputs_embeds = build_inputs_embeds(
+                self.model,
+                scheduler_output.scheduled_requests,
+                self.states,
+                model_input.input_ids,
+                attn_metadata.query_start_loc_cpu.tolist(),
+            )
+        if inputs_embeds is not None:  # a step that feeds image tokens (a prefill)
+            hidden_states = self.model(
+                model_input.input_ids,
+                model_input.positions,
+                attn_metadata,
+                inputs_embeds=inputs_embeds,
+            )
+        elif self.cuda_graphs is not None and self.cuda_graphs.can_run(
             attn_metadata.num_reqs, attn_metadata.max_query_len
         ):
             hidden_states = self.cuda_graphs.run(
@@ -165,6 +184,7 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+            self._image_request_ids.discard(request_id)
             self.sampling_states.remove_request(request_id)
         for new in scheduler_output.new_requests:
             self.states[new.request_id] = self._new_state(new)
@@ -176,8 +196,14 @@ class ModelRunner:
         """A request resumed after preemption starts a new block table but keeps its sampling
         state (token counts, seed), which `add_request` leaves as it is."""
         self.sampling_states.add_request(new.request_id, new.sampling_params, new.prompt_token_ids)
+        if new.mm_features:
+            self._image_request_ids.add(new.request_id)
         return CachedRequestState(
-            new.request_id, new.num_prompt_tokens, new.sampling_params, new.prompt_token_ids
+            new.request_id,
+            new.num_prompt_tokens,
+            new.sampling_params,
+            new.prompt_token_ids,
+            mm_features=new.mm_features,
         )
 
     def _sampling_metadata(self, model_input: ModelInput) -> SamplingMetadata:
@@ -216,7 +242,7 @@ class ModelRunner:
 
 
 def _vocab_size(config: EngineConfig) -> int:
-    return int(config.model_config.hf_config.vocab_size)
+    return int(config.model_config.hf_text_config.vocab_size)
 
 
 def _timing_event(device: torch.device) -> "torch.cuda.Event | None":

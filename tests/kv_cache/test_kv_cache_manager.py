@@ -1,10 +1,12 @@
 """Block pool and KV cache manager: exact block ids, ref counts, prefix hits, LRU eviction."""
 
+import numpy as np
 import pytest
 
 from pagedserve.kv_cache.block_hash import ROOT_HASH, hash_block_tokens, hash_request_blocks
 from pagedserve.kv_cache.block_pool import BlockPool
 from pagedserve.kv_cache.manager import KVCacheManager
+from pagedserve.multimodal import MultiModalFeature, hash_pixels
 from pagedserve.request import Request
 from pagedserve.sampling_params import SamplingParams
 
@@ -167,6 +169,33 @@ def test_requests_with_different_salts_share_no_block() -> None:
         assert num_hits == num_hit_tokens, salt
         assert [b.block_id for b in hits] == ([0, 1] if num_hit_tokens else [])
     manager.check_invariants()
+
+
+def image_feature(offset: int, length: int, value: float) -> MultiModalFeature:
+    pixels = np.full((3, 2, 2), value, np.float32)
+    return MultiModalFeature(pixels, offset, length, hash_pixels(pixels))
+
+
+def test_images_enter_the_hashes_of_the_blocks_holding_their_tokens() -> None:
+    """An image's placeholder tokens are the same for every image: its content hash keys the
+    blocks holding them (5..8: blocks 1 and 2), and the chain carries it on; the block
+    before the image is shared with any other image."""
+    tokens = [1, 2, 3, 4, 5] + [9] * 4 + [6, 7, 8]  # three full blocks of 4
+    cat, dog = image_feature(5, 4, 0.0), image_feature(5, 4, 1.0)
+    with_cat = hash_request_blocks(tokens, 4, [], mm_features=[cat])
+    assert with_cat == hash_request_blocks(tokens, 4, [], mm_features=[image_feature(5, 4, 0.0)])
+    with_dog = hash_request_blocks(tokens, 4, [], mm_features=[dog])
+    plain = hash_request_blocks(tokens, 4, [])
+    assert with_cat[0] == with_dog[0] == plain[0]
+    assert all(c != d for c, d in zip(with_cat[1:], with_dog[1:], strict=True))
+    assert with_cat[1] == hash_block_tokens(with_cat[0], tokens[4:8], cat.identifier.encode())
+    assert with_cat[2] == hash_block_tokens(with_cat[1], tokens[8:12], cat.identifier.encode())
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    first = Request("cat", tokens + [10], SamplingParams(max_tokens=4), mm_features=[cat])
+    assert schedule(manager, first, 13) is not None
+    for name, image, num_hit_tokens in [("dog", dog, 4), ("cat-again", cat, 12)]:
+        request = Request(name, tokens + [10], SamplingParams(max_tokens=4), mm_features=[image])
+        assert manager.get_computed_blocks(request)[1] == num_hit_tokens, name
 
 
 def test_reset_prefix_cache_forgets_blocks_that_running_requests_hold() -> None:

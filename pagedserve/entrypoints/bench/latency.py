@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
                 f"pagedserve bench latency: error: --{name.replace('_', '-')} must be positive"
             )
     llm = make_llm(args, "latency")
-    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    vocab = llm.llm_engine.config.model_config.hf_text_config.vocab_size
     rng = np.random.default_rng(args.seed)
     ids = rng.integers(0, min(vocab, 10000), size=(args.batch_size, args.input_len)).tolist()
     prompts = [{"prompt_token_ids": row} for row in ids]

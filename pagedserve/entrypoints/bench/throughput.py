@@ -154,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
             read_sharegpt(args.dataset_path)  # a bad file fails before the model loads
         llm = make_llm(args, "throughput")
         tokenizer = None if args.skip_tokenizer_init else llm.get_tokenizer()
-        vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+        vocab = llm.llm_engine.config.model_config.hf_text_config.vocab_size
         requests = sample_requests(args, vocab, tokenizer)
     except DatasetError as e:
         raise SystemExit(f"pagedserve bench throughput: error: {e}") from None

@@ -1,0 +1,96 @@
+"""MultiModalProcessor: a prompt's text and images -> token ids (each image placeholder
+expanded to its tokens) and the images as MultiModalFeature (pixels, placeholder range,
+content hash), through the model folder's transformers processor (`AutoProcessor`, e.g.
+LlavaProcessor), as vLLM's multimodal processors wrap the HF processor.
+"""
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from pagedserve.errors import InvalidRequestError
+from pagedserve.multimodal import MultiModalFeature, hash_pixels, placeholder_ranges
+
+SUPPORTED_MODALITIES = ("image",)
+
+
+class MultiModalProcessor:
+    """Loads the processor of `model_dir` on first use (once; the server tokenizes from a
+    thread pool), then prepares prompts with images. `image_token_id` is the config's
+    (LlavaConfig.image_token_index): the id of each image's placeholder tokens."""
+
+    def __init__(self, model_dir: str, image_token_id: int, trust_remote_code: bool = False):
+        self.model_dir = model_dir
+        self.image_token_id = image_token_id
+        self.trust_remote_code = trust_remote_code
+        self._processor: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def processor(self) -> Any:
+        with self._lock:
+            if self._processor is None:
+                from transformers import AutoProcessor
+
+                self._processor = AutoProcessor.from_pretrained(  # type: ignore[no-untyped-call]
+                    self.model_dir,
+                    local_files_only=True,
+                    trust_remote_code=self.trust_remote_code,
+                )
+            return self._processor
+
+    def process(
+        self, text: str, mm_data: Mapping[str, Any]
+    ) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
+        """(prompt token ids, the images in prompt order). Raises InvalidRequestError naming
+        multi_modal_data for an unknown modality, an image that is not a PIL image, or a
+        prompt whose image placeholders do not match the images given."""
+        images = _images(mm_data)
+        try:
+            out = self.processor(text=text, images=images, return_tensors="np")
+            token_ids = [int(t) for t in out["input_ids"][0]]
+            pixel_values = np.asarray(out["pixel_values"], dtype=np.float32)
+            ranges = placeholder_ranges(token_ids, self.image_token_id, len(images))
+        except ValueError as e:  # e.g. 2 "<image>" in the text for 1 image
+            raise InvalidRequestError(
+                f"multi_modal_data: the prompt and its {len(images)} image(s) do not match: {e}",
+                "multi_modal_data",
+            ) from None
+        features = tuple(
+            MultiModalFeature(pixels, offset, length, hash_pixels(pixels))
+            for pixels, (offset, length) in zip(pixel_values, ranges, strict=True)
+        )
+        return token_ids, features
+
+
+def _images(mm_data: Mapping[str, Any]) -> list[Any]:
+    """The images of a prompt's multi_modal_data ({"image": img or [img, ...]})."""
+    from PIL import Image
+
+    if not isinstance(mm_data, Mapping):
+        raise InvalidRequestError(
+            f"multi_modal_data must be a dict such as {{'image': image}}, got "
+            f"{type(mm_data).__name__}",
+            "multi_modal_data",
+        )
+    unknown = sorted(set(mm_data) - set(SUPPORTED_MODALITIES))
+    if unknown:
+        raise InvalidRequestError(
+            f"multi_modal_data: modality {unknown[0]!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODALITIES)}",
+            "multi_modal_data",
+        )
+    value = mm_data.get("image")
+    images = list(value) if isinstance(value, list | tuple) else [value]
+    for i, image in enumerate(images):
+        if not isinstance(image, Image.Image):
+            raise InvalidRequestError(
+                f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, got "
+                f"{type(image).__name__}",
+                "multi_modal_data",
+            )
+    if not images:
+        raise InvalidRequestError("multi_modal_data['image'] is empty", "multi_modal_data")
+    return images

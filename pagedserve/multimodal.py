@@ -1,0 +1,71 @@
+"""MultiModalFeature: one image of a request, as the scheduler, the prefix cache and the
+workers see it (vLLM's `MultiModalFeatureSpec`). Import rule: a leaf (numpy only, no torch).
+
+The input processor makes them (the model's transformers processor gives the pixels and
+expands each image placeholder to its tokens); the prefix cache hashes `identifier` into the
+blocks that hold the image's tokens; the model runner encodes `pixel_values` when a step
+first feeds one of the image's tokens (`worker/encoder_cache.py`).
+"""
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MultiModalFeature:
+    """An image and where its tokens sit in the prompt.
+
+    |<-- offset -->|<-- length placeholder tokens -->|   (prompt token positions)
+    The model replaces the embeddings of those `length` tokens by the image's
+    (`length` rows of the projector's output).
+    """
+
+    pixel_values: np.ndarray  # [num_channels, height, width] float32, the processor's
+    offset: int  # position of the image's first placeholder token in the prompt
+    length: int  # number of placeholder tokens (the image's embeddings)
+    identifier: str  # sha256 hex of the pixels: equal images share prefix-cache blocks
+    modality: str = "image"
+
+    @property
+    def end(self) -> int:
+        """One past the image's last placeholder position."""
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether token positions [start, end) hold any of this image's tokens."""
+        return self.offset < end and start < self.end
+
+
+def hash_pixels(pixel_values: np.ndarray) -> str:
+    """sha256 hex of an image's pixels, with its shape and dtype (two images of the same
+    bytes but other shapes are different images)."""
+    digest = hashlib.sha256(f"{pixel_values.dtype}{pixel_values.shape}".encode())
+    digest.update(np.ascontiguousarray(pixel_values).tobytes())
+    return digest.hexdigest()
+
+
+def placeholder_ranges(
+    token_ids: Sequence[int], placeholder_id: int, num_items: int
+) -> list[tuple[int, int]]:
+    """(offset, length) of each of `num_items` items whose placeholder tokens are the runs of
+    `placeholder_id` in `token_ids`, in order; every item has the same number of tokens
+    (LLaVA-1.5: one fixed-size grid per image), so adjacent images' runs split evenly.
+
+    Raises ValueError when the placeholder tokens do not split into `num_items` equal,
+    contiguous runs."""
+    positions = [i for i, t in enumerate(token_ids) if t == placeholder_id]
+    if num_items <= 0 or not positions or len(positions) % num_items:
+        raise ValueError(
+            f"the prompt has {len(positions)} image placeholder tokens for {num_items} images"
+        )
+    length = len(positions) // num_items
+    ranges = []
+    for k in range(num_items):
+        run = positions[k * length : (k + 1) * length]
+        if run[-1] - run[0] != length - 1:
+            raise ValueError(f"image {k}'s {length} placeholder tokens are not contiguous")
+        ranges.append((run[0], length))
+    return ranges

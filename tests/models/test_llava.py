@@ -1,0 +1,379 @@
+"""LLaVA-1.5 offline, end to end on CPU: a tiny random LlavaForConditionalGeneration with a
+real processor (sentencepiece-32k + "<image>", CLIPImageProcessorPil) against transformers'
+generate; images in the prefix cache and through chunked prefill."""
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.config import get_model_max_len
+
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+TOKENIZER = SHARED / "tokenizers" / "sentencepiece-32k"
+TEXT_MODEL = SHARED / "models" / "tinystories-656k"
+IMAGE_TOKEN_ID = 32000  # "<image>" added to the 32000-token tokenizer
+IMAGE_SIZE, PATCH_SIZE = 28, 14  # 2x2 patches: 4 tokens per image ("default" drops CLS)
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ONE = "USER: <image>\nWhat is in this picture? ASSISTANT:"
+TWO = "USER: <image>\nand <image>\nHow do they differ? ASSISTANT:"
+
+
+def build_tiny_llava(path: Path) -> None:
+    """Save a seeded random LLaVA and its processor into `path`. The lm_head is scaled so
+    that greedy picks are not decided by near-ties, and the projector so that the image
+    changes the output."""
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    assert image_token_id == IMAGE_TOKEN_ID
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+    )
+    text = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32064,  # as llava-1.5: the tokenizer's 32001 padded
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50.0)
+        model.model.multi_modal_projector.linear_2.weight.mul_(20.0)
+    model.save_pretrained(str(path))
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(str(path))
+
+
+def image(seed: int) -> Image.Image:
+    pixels = np.random.RandomState(seed).randint(0, 256, (40, 50, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llava")
+    build_tiny_llava(path)
+    return path
+
+
+def make_llm(model: Path, **kwargs: Any) -> LLM:
+    options: dict[str, Any] = dict(
+        dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=64
+    )
+    return LLM(str(model), **(options | kwargs))
+
+
+def hf_greedy(model_dir: Path, prompt: str, images: list[Image.Image]) -> list[int]:
+    """transformers' greedy tokens for the same processor inputs."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(str(model_dir)).eval()
+    inputs = processor(text=prompt, images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
+
+
+def generate(llm: LLM, prompt: str, images: list[Image.Image]) -> Any:
+    data = {"image": images[0] if len(images) == 1 else images}
+    [output] = llm.generate({"prompt": prompt, "multi_modal_data": data}, GREEDY)
+    return output
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir: Path) -> LLM:
+    return make_llm(llava_dir)
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_image_embeddings_match_transformers(llava_dir: Path, strategy: str) -> None:
+    """Vision tower (second-to-last layer's hidden states) + projector, against
+    transformers' get_image_features; "full" keeps the class token's row."""
+    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+
+    from pagedserve.models.loader import load_model
+
+    config = AutoConfig.from_pretrained(str(llava_dir))
+    config.vision_feature_select_strategy = strategy
+    ours = load_model(str(llava_dir), config, torch.float32, torch.device("cpu"))
+    hf = LlavaForConditionalGeneration.from_pretrained(str(llava_dir)).eval()
+    processor = AutoProcessor.from_pretrained(str(llava_dir))
+    pixels = processor.image_processor([image(1), image(2)], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        expected = hf.model.get_image_features(
+            pixel_values=pixels, vision_feature_layer=-2, vision_feature_select_strategy=strategy
+        ).pooler_output
+        got = ours.embed_multimodal(pixels)  # type: ignore[operator]
+    assert got.shape == (2, 4 + (strategy == "full"), 64)
+    torch.testing.assert_close(got, torch.stack(list(expected)), atol=1e-5, rtol=1e-5)
+
+
+def test_engine_reads_the_text_config(llm: LLM) -> None:
+    model_config = llm.llm_engine.config.model_config
+    assert model_config.hf_text_config is model_config.hf_config.text_config
+    assert get_model_max_len(model_config.hf_config) == 256  # text_config's
+    assert llm.llm_engine.input_processor.vocab_size == 32064
+
+
+@pytest.mark.parametrize(("prompt", "seeds"), [(ONE, [1]), (TWO, [1, 2])])
+def test_greedy_matches_transformers(
+    llava_dir: Path, llm: LLM, prompt: str, seeds: list[int]
+) -> None:
+    images = [image(s) for s in seeds]
+    expected = hf_greedy(llava_dir, prompt, images)
+    output = generate(llm, prompt, images)
+    assert list(output.outputs[0].token_ids) == expected
+    # The prompt counts each image as its 4 placeholder tokens.
+    assert len(output.prompt_token_ids) == len(llm.get_tokenizer().encode(prompt)) + 3 * len(seeds)
+
+
+def test_prompt_logprobs_and_parallel_sampling_with_an_image(llava_dir: Path, llm: LLM) -> None:
+    """Every prompt position's logits (image rows included) match transformers' forward;
+    n=2 children share the image."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    images = [image(1), image(2)]
+    processor = AutoProcessor.from_pretrained(str(llava_dir))
+    hf = LlavaForConditionalGeneration.from_pretrained(str(llava_dir)).eval()
+    inputs = processor(text=TWO, images=images, return_tensors="pt")
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(**inputs).logits[0].float(), dim=-1)
+    ids = inputs["input_ids"][0].tolist()
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, n=2)
+    [output] = llm.generate({"prompt": TWO, "multi_modal_data": {"image": images}}, params)
+    assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
+    for j in range(1, len(ids)):
+        got = output.prompt_logprobs[j][ids[j]].logprob
+        assert got == pytest.approx(float(logprobs[j - 1, ids[j]]), abs=1e-3), j
+    expected = hf_greedy(llava_dir, TWO, images)[:4]
+    assert [list(c.token_ids) for c in output.outputs] == [expected, expected]
+
+
+def test_different_images_give_different_outputs(llm: LLM) -> None:
+    first = generate(llm, ONE, [image(1)]).outputs[0].token_ids
+    second = generate(llm, ONE, [image(7)]).outputs[0].token_ids
+    assert list(first) != list(second)
+
+
+def test_prefix_cache_hits_the_same_image_only(llava_dir: Path) -> None:
+    llm = make_llm(llava_dir, enable_prefix_caching=True, block_size=4)
+    prompt = ONE + " It is"  # long enough for several full blocks after the image
+    first = generate(llm, prompt, [image(3)])
+    assert first.num_cached_tokens == 0
+    again = generate(llm, prompt, [image(3)])
+    assert again.num_cached_tokens > 0
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    other = generate(llm, prompt, [image(4)])
+    # Only the blocks before the image's first token may be shared.
+    offset = other.prompt_token_ids.index(IMAGE_TOKEN_ID)
+    assert other.num_cached_tokens <= offset // 4 * 4
+
+
+def test_prefix_hit_ending_inside_an_image(llava_dir: Path, llm: LLM) -> None:
+    """TWO after ONE with the same first image (tokens 5..8) shares blocks 0 and 1: the
+    second request starts at position 8, its image's last token (one row of the image)."""
+    cached = make_llm(llava_dir, enable_prefix_caching=True, block_size=4)
+    generate(cached, ONE, [image(3)])
+    images = [image(3), image(4)]
+    got = generate(cached, TWO, images)
+    assert got.prompt_token_ids[5:9] == [IMAGE_TOKEN_ID] * 4
+    assert got.num_cached_tokens == 8
+    expected = generate(llm, TWO, images).outputs[0].token_ids
+    assert list(got.outputs[0].token_ids) == list(expected)
+
+
+def test_preempted_image_requests_recompute_their_images(llava_dir: Path, llm: LLM) -> None:
+    """With too few blocks for all, requests are preempted and recomputed (their encoder
+    cache rebuilt): outputs as with ample blocks."""
+    prompts = [(TWO, [image(s), image(s + 1)]) for s in range(4)]
+    batch = [{"prompt": p, "multi_modal_data": {"image": ims}} for p, ims in prompts]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    small = make_llm(llava_dir, block_size=4, num_gpu_blocks_override=20, max_model_len=64)
+    assert [o.outputs[0].token_ids for o in small.generate(batch, params)] == expected
+    assert small.llm_engine.scheduler.num_preemptions_total > 0
+
+
+def test_tensor_parallel_language_model(llava_dir: Path, llm: LLM) -> None:
+    """Two CPU ranks: the language model sharded, the vision tower replicated."""
+    images = [image(1), image(2)]
+    expected = generate(llm, TWO, images).outputs[0].token_ids
+    with make_llm(llava_dir, tensor_parallel_size=2) as parallel:
+        assert list(generate(parallel, TWO, images).outputs[0].token_ids) == list(expected)
+
+
+def test_bad_multi_modal_data_is_refused(llm: LLM) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"prompt": TWO, "multi_modal_data": {"image": image(1)}}, "do not match"),
+        ({"prompt": ONE, "multi_modal_data": {"video": image(1)}}, "modality 'video'"),
+        ({"prompt": ONE, "multi_modal_data": {"image": "cat.png"}}, "PIL.Image"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": image(1)}}, "text 'prompt'"),
+    ]
+    for prompt, message in cases:
+        with pytest.raises(ValueError, match=f"multi_modal_data.*{message}"):
+            llm.generate(prompt, GREEDY)
+    assert not llm.llm_engine.has_unfinished_requests()
+    from pagedserve.beam_search_params import BeamSearchParams
+
+    with pytest.raises(ValueError, match="beam_search does not support multi_modal_data"):
+        llm.beam_search([{"prompt": ONE, "multi_modal_data": {"image": image(1)}}],
+                        BeamSearchParams(beam_width=2, max_tokens=2))  # fmt: skip
+
+
+def test_async_engine_refuses_multi_modal_data(llava_dir: Path) -> None:
+    """The engine-core process's requests carry no images yet: refused, naming the field."""
+    from pagedserve import AsyncLLMEngine
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(llava_dir), dtype="float32", device="cpu", max_model_len=256,
+        num_gpu_blocks_override=64,
+    )  # fmt: skip
+    engine = AsyncLLMEngine.from_engine_args(args)
+    try:
+        with pytest.raises(ValueError, match="multi_modal_data is not supported by"):
+            engine.add_request("r", {"prompt": ONE, "multi_modal_data": {"image": image(1)}},
+                               GREEDY)  # fmt: skip
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_through_an_image(
+    llava_dir: Path, llm: LLM, async_scheduling: bool
+) -> None:
+    """A 3-token budget splits each image's 4 tokens across steps (prefill chunks start at
+    multiples of 3); with async scheduling (CUDA's default) too."""
+    images = [image(5), image(6)]
+    expected = generate(llm, TWO, images)
+    ids = expected.prompt_token_ids
+    offsets = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID and ids[i - 1] != t]
+    assert offsets and all(offset // 3 != (offset + 3) // 3 for offset in offsets)
+    chunked = make_llm(
+        llava_dir,
+        max_num_batched_tokens=3,
+        enable_chunked_prefill=True,
+        async_scheduling=async_scheduling,
+    )
+    prompts = [{"prompt": TWO, "multi_modal_data": {"image": images}}] * 2  # decode + prefill
+    outputs = chunked.generate(prompts, GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [
+        list(expected.outputs[0].token_ids)
+    ] * 2
+
+
+def test_batch_of_image_requests(llm: LLM) -> None:
+    """Requests with images prefilled in one step (one encoder batch) get what each gets
+    alone."""
+    prompts = [(ONE, [image(1)]), (TWO, [image(2), image(3)]), (ONE, [image(4)])]
+    alone = [list(generate(llm, p, ims).outputs[0].token_ids) for p, ims in prompts]
+    batch = [
+        {"prompt": p, "multi_modal_data": {"image": ims if len(ims) > 1 else ims[0]}}
+        for p, ims in prompts
+    ]
+    together = [list(o.outputs[0].token_ids) for o in llm.generate(batch, GREEDY)]
+    assert together == alone
+
+
+def test_new_checkpoint_layout(llava_dir: Path, tmp_path: Path) -> None:
+    """transformers 4.52+ names (model.vision_tower.vision_model., model.language_model.,
+    lm_head.) load to the same model as the old layout transformers 5 saves (vision_tower.,
+    language_model.model., language_model.lm_head.)."""
+    from safetensors.torch import load_file, save_file
+
+    renames = (
+        ("vision_tower.", "model.vision_tower.vision_model."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+    )
+    tensors = load_file(str(llava_dir / "model.safetensors"))
+    renamed = {}
+    for name, tensor in tensors.items():
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        renamed[name] = tensor
+    assert len(renamed) == len(tensors) and "lm_head.weight" in renamed
+    # A buffer that checkpoints of older transformers versions hold: skipped.
+    renamed["model.vision_tower.vision_model.embeddings.position_ids"] = torch.arange(5)[None]
+    for path in llava_dir.iterdir():
+        if path.name != "model.safetensors":
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    images = [image(1)]
+    expected = generate(make_llm(llava_dir), ONE, images).outputs[0].token_ids
+    assert list(generate(make_llm(tmp_path), ONE, images).outputs[0].token_ids) == list(expected)
+
+
+def test_text_only_model_refuses_multi_modal_data() -> None:
+    llm = LLM(str(TEXT_MODEL), dtype="float32", device="cpu", max_model_len=64)
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": "Hi <image>", "multi_modal_data": {"image": image(0)}}, GREEDY)
+
+
+def test_text_prompt_without_images(llm: LLM) -> None:
+    """A LLaVA prompt with no image runs the text-only path."""
+    [output] = llm.generate("USER: Hello ASSISTANT:", GREEDY)
+    assert len(output.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_registry_runs_llava_natively_only() -> None:
+    """LLaVA runs on our code (auto, pagedserve); the transformers backend runs no
+    multimodal config, so model_impl="transformers" is refused as for every other one."""
+    from transformers import LlavaConfig
+
+    from pagedserve.errors import UnsupportedModelError
+    from pagedserve.models.registry import check_model_impl
+
+    config = LlavaConfig(architectures=["LlavaForConditionalGeneration"])
+    assert check_model_impl(config, "auto") == "pagedserve"
+    assert check_model_impl(config, "pagedserve") == "pagedserve"
+    with pytest.raises(UnsupportedModelError, match="multimodal model .* text_config"):
+        check_model_impl(config, "transformers")
