@@ -87,10 +87,10 @@ def test_cpu_step_seconds_are_each_forwards_own(
         engine.step()
     forwards = [r for r in engine.step_records if r.num_tokens]
     assert [r.num_tokens for r in forwards] == [8, 4, 1, 1, 1]
+    # (A lower bound only: no upper bound on a shared machine's timing. The bug gave each
+    # record the next, shorter forward's time, under its own sleep.)
     for r in forwards:
         assert r.seconds >= sleep_per_token * r.num_tokens, forwards
-    # The 8-token chunk's seconds are not its own and the next forward's.
-    assert forwards[0].seconds < sleep_per_token * (8 + 4), forwards
 
 
 def test_outputs_finished_outside_a_step_survive_a_step_that_waits() -> None:
