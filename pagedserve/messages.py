@@ -72,10 +72,25 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     prefix_cache_hits: int  # tokens found
 
 
+class MultiModalFeatureData(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One image of a request on the wire: `multimodal.MultiModalFeature` with its pixels as
+    raw bytes (msgspec holds no arrays; `engine.core_proc.feature_to_data` and
+    `feature_from_data` convert, where numpy is loaded anyway)."""
+
+    pixel_bytes: bytes  # the C-order bytes of pixel_values
+    pixel_shape: list[int]  # [num_channels, height, width]
+    pixel_dtype: str  # numpy dtype name, e.g. "float32"
+    offset: int  # position of the image's first placeholder token in the prompt
+    length: int  # number of placeholder tokens
+    identifier: str  # content hash (sha256 hex of the pixels)
+    modality: str = "image"
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     """One engine-core request to add (vLLM's `EngineCoreRequest`). `sampling_params` has
     max_tokens resolved; `sharing_group` (parallel sampling), `priority` (lower is
-    scheduled earlier) and `cache_salt` (prefix-cache isolation) as in `Request`."""
+    scheduled earlier), `cache_salt` (prefix-cache isolation) and `mm_features` (the
+    prompt's images, in prompt order) as in `Request`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -83,6 +98,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):
     sharing_group: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    mm_features: list[MultiModalFeatureData] = []
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True, gc=False):

@@ -6,7 +6,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from pagedserve.config import ModelConfig
@@ -200,13 +200,6 @@ class AsyncLLMEngine:
             raise EngineDeadError(str(self.dead_error))
         if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
-            # The engine-core process's requests (messages.EngineCoreRequest) carry no images.
-            raise InvalidRequestError(
-                "multi_modal_data is not supported by AsyncLLMEngine and the server yet; "
-                "offline LLM.generate runs prompts with images",
-                "multi_modal_data",
-            )
         self.start()
         processed, children = register_request(
             self.input_processor,

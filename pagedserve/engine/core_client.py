@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from pagedserve.engine.arg_utils import EngineArgs
-from pagedserve.engine.core_proc import run_engine_core
+from pagedserve.engine.core_proc import feature_to_data, run_engine_core
 from pagedserve.errors import EngineDeadError
 from pagedserve.messages import (
     AbortRequests,
@@ -159,6 +159,7 @@ class EngineCoreClient:
                         r.sharing_group,
                         r.priority,
                         r.cache_salt,
+                        [feature_to_data(f) for f in r.mm_features],
                     )
                     for r in requests
                 ]

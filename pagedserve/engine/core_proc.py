@@ -8,7 +8,8 @@ its fields in order):
         AddRequests     ["add", [EngineCoreRequest, ...]]
             EngineCoreRequest: request_id, prompt_token_ids, sampling_params (the
                 SamplingParams dataclass by field name, max_tokens resolved), sharing_group,
-                priority, cache_salt
+                priority, cache_salt, mm_features ([MultiModalFeatureData, ...]: each
+                image's pixels as bytes + shape + dtype name, offset, length, identifier)
         AbortRequests   ["abort", [request_id, ...]]    free now; the caller has forgotten them
         FinishRequests  ["finish", [request_id, ...]]   a stop string matched: FINISHED_STOPPED
         Shutdown        ["shutdown"]
@@ -37,6 +38,7 @@ import traceback
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from pagedserve import envs
 from pagedserve.messages import (
@@ -46,6 +48,7 @@ from pagedserve.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishRequests,
+    MultiModalFeatureData,
     ResetPrefixCache,
     Shutdown,
     ToCore,
@@ -53,11 +56,35 @@ from pagedserve.messages import (
     decode_to_core,
     encode,
 )
+from pagedserve.multimodal import MultiModalFeature
 from pagedserve.process_start import process_age_seconds
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
+
+
+def feature_to_data(feature: MultiModalFeature) -> MultiModalFeatureData:
+    """An image as it crosses to the core: its pixel array as C-order bytes, shape and dtype."""
+    pixels = np.ascontiguousarray(feature.pixel_values)
+    return MultiModalFeatureData(
+        pixels.tobytes(),
+        list(pixels.shape),
+        pixels.dtype.name,
+        feature.offset,
+        feature.length,
+        feature.identifier,
+        feature.modality,
+    )
+
+
+def feature_from_data(data: MultiModalFeatureData) -> MultiModalFeature:
+    """The core's MultiModalFeature of a received image. Raises ValueError when the bytes do
+    not fill the shape (a message that is not ours), or for an unknown dtype name."""
+    pixels = np.frombuffer(data.pixel_bytes, dtype=np.dtype(data.pixel_dtype))
+    # frombuffer's array is read-only; a copy lets torch.from_numpy share it without a warning.
+    pixels = pixels.reshape(data.pixel_shape).copy()
+    return MultiModalFeature(pixels, data.offset, data.length, data.identifier, data.modality)
 
 
 def run_engine_core(
@@ -186,16 +213,17 @@ class _CoreLoop:
             case AddRequests(requests):
                 now = time.monotonic()
                 for r in requests:
-                    request = Request(
-                        r.request_id,
-                        r.prompt_token_ids,
-                        r.sampling_params,
-                        now,
-                        sharing_group=r.sharing_group,
-                        priority=r.priority,
-                        cache_salt=r.cache_salt,
-                    )
                     try:
+                        request = Request(
+                            r.request_id,
+                            r.prompt_token_ids,
+                            r.sampling_params,
+                            now,
+                            sharing_group=r.sharing_group,
+                            priority=r.priority,
+                            cache_salt=r.cache_salt,
+                            mm_features=tuple(feature_from_data(f) for f in r.mm_features),
+                        )
                         self.core.add_request(request)
                     except ValueError as e:  # the server checks first; never let one kill us
                         logger.error("rejected request %s: %s", r.request_id, e)

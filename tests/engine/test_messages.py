@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pagedserve import RequestOutputKind, SamplingParams
+from pagedserve.engine.core_proc import feature_from_data, feature_to_data
 from pagedserve.messages import (
     AbortRequests,
     AddRequests,
@@ -19,6 +20,7 @@ from pagedserve.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishRequests,
+    MultiModalFeatureData,
     PromptLogprobsData,
     SampleLogprobsData,
     SchedulerStats,
@@ -29,6 +31,7 @@ from pagedserve.messages import (
     decode_to_server,
     encode,
 )
+from pagedserve.multimodal import MultiModalFeature, hash_pixels
 from pagedserve.sampling_params import DEFAULT_MAX_TOKENS, is_default_max_tokens
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +52,32 @@ def test_sampling_params_survive_the_wire() -> None:
     received = decoded.requests[0].sampling_params
     assert received.output_kind is RequestOutputKind.DELTA
     assert received.eos_token_ids == (1, 2) and received.logit_bias == {5: 3.5}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_images_survive_the_wire(dtype: type) -> None:
+    """A request's images cross as bytes + shape + dtype name and come back equal: the same
+    pixels (bit for bit), placeholder range and content hash, in prompt order."""
+    rng = np.random.default_rng(0)
+    pixels = [rng.standard_normal((3, 5, 7)).astype(dtype) for _ in range(2)]
+    features = [
+        MultiModalFeature(p, offset, 4, hash_pixels(p))
+        for p, offset in zip(pixels, (2, 9), strict=True)
+    ]
+    request = EngineCoreRequest("r", [1] * 16, SamplingParams(max_tokens=3))
+    request.mm_features = [feature_to_data(f) for f in features]
+    decoded = decode_to_core(encode(AddRequests([request])))
+    assert isinstance(decoded, AddRequests)
+    [received] = decoded.requests
+    assert all(isinstance(d, MultiModalFeatureData) for d in received.mm_features)
+    rebuilt = [feature_from_data(d) for d in received.mm_features]
+    for got, sent in zip(rebuilt, features, strict=True):
+        assert got.pixel_values.dtype == sent.pixel_values.dtype
+        np.testing.assert_array_equal(got.pixel_values, sent.pixel_values)
+        assert got.pixel_values.flags.writeable  # torch.from_numpy shares it without a warning
+        assert (got.offset, got.length, got.identifier, got.modality) == (
+            sent.offset, sent.length, sent.identifier, "image",
+        )  # fmt: skip
 
 
 def test_default_max_tokens_crosses_as_a_plain_int() -> None:

@@ -5,92 +5,22 @@ generate; images in the prefix cache and through chunked prefill."""
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import get_model_max_len
-
-SHARED = Path(__file__).resolve().parents[3] / "shared"
-TOKENIZER = SHARED / "tokenizers" / "sentencepiece-32k"
-TEXT_MODEL = SHARED / "models" / "tinystories-656k"
-IMAGE_TOKEN_ID = 32000  # "<image>" added to the 32000-token tokenizer
-IMAGE_SIZE, PATCH_SIZE = 28, 14  # 2x2 patches: 4 tokens per image ("default" drops CLS)
-MAX_TOKENS = 12
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-ONE = "USER: <image>\nWhat is in this picture? ASSISTANT:"
-TWO = "USER: <image>\nand <image>\nHow do they differ? ASSISTANT:"
-
-
-def build_tiny_llava(path: Path) -> None:
-    """Save a seeded random LLaVA and its processor into `path`. The lm_head is scaled so
-    that greedy picks are not decided by near-ties, and the projector so that the image
-    changes the output."""
-    from transformers import (
-        AutoTokenizer,
-        CLIPImageProcessorPil,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-
-    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
-    assert image_token_id == IMAGE_TOKEN_ID
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
-    )
-    text = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=32064,  # as llava-1.5: the tokenizer's 32001 padded
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=image_token_id,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
-    )
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(50.0)
-        model.model.multi_modal_projector.linear_2.weight.mul_(20.0)
-    model.save_pretrained(str(path))
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    )
-    processor = LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default",
-        image_token="<image>",
-        num_additional_image_tokens=1,
-    )
-    processor.save_pretrained(str(path))
-
-
-def image(seed: int) -> Image.Image:
-    pixels = np.random.RandomState(seed).randint(0, 256, (40, 50, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
+from tests.models.tiny_llava import (
+    GREEDY,
+    IMAGE_TOKEN_ID,
+    MAX_TOKENS,
+    ONE,
+    TEXT_MODEL,
+    TWO,
+    build_tiny_llava,
+    image,
+)
 
 
 @pytest.fixture(scope="module")
@@ -265,22 +195,37 @@ def test_bad_multi_modal_data_is_refused(llm: LLM) -> None:
                         BeamSearchParams(beam_width=2, max_tokens=2))  # fmt: skip
 
 
-def test_async_engine_refuses_multi_modal_data(llava_dir: Path) -> None:
-    """The engine-core process's requests carry no images yet: refused, naming the field."""
+def test_async_engine_generates_with_images(llava_dir: Path, llm: LLM) -> None:
+    """AsyncLLMEngine (its engine core in another process: the images cross the socket as
+    bytes) gives the offline engine's greedy tokens for one and two images, concurrently."""
+    import asyncio
+
     from pagedserve import AsyncLLMEngine
     from pagedserve.engine.arg_utils import EngineArgs
 
+    cases = [(ONE, [image(1)]), (TWO, [image(2), image(3)])]
+    expected = [generate(llm, prompt, images).outputs[0].token_ids for prompt, images in cases]
     args = EngineArgs(
         model=str(llava_dir), dtype="float32", device="cpu", max_model_len=256,
         num_gpu_blocks_override=64,
     )  # fmt: skip
-    engine = AsyncLLMEngine.from_engine_args(args)
-    try:
-        with pytest.raises(ValueError, match="multi_modal_data is not supported by"):
-            engine.add_request("r", {"prompt": ONE, "multi_modal_data": {"image": image(1)}},
-                               GREEDY)  # fmt: skip
-    finally:
-        engine.shutdown()
+
+    async def run(engine: AsyncLLMEngine, i: int) -> list[int]:
+        prompt, images = cases[i]
+        data = {"image": images[0] if len(images) == 1 else images}
+        request = {"prompt": prompt, "multi_modal_data": data}
+        async for output in engine.generate(request, GREEDY, f"r{i}"):
+            final = output
+        return list(final.outputs[0].token_ids)
+
+    async def main() -> list[list[int]]:
+        engine = AsyncLLMEngine.from_engine_args(args)
+        try:
+            return list(await asyncio.gather(run(engine, 0), run(engine, 1)))
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(main()) == [list(tokens) for tokens in expected]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
