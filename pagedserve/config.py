@@ -36,6 +36,9 @@ STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
+DEFAULT_MM_LIMIT = 999  # items per modality and prompt, vLLM V1's limit_mm_per_prompt default
+
+
 def json_object(text: str) -> dict[str, Any]:
     """argparse type of a JSON object flag (`--hf-overrides '{"key": 1}'`)."""
     try:
@@ -168,6 +171,20 @@ class ModelConfig:
         "generation_config.json), vllm (vLLM's neutral defaults) or a folder holding a "
         "generation_config.json",
     )
+    # Images (vision-language models; issue 18), as vLLM's flags of these names.
+    limit_mm_per_prompt: dict[str, int] | None = option(
+        None,
+        help='most multimodal items one prompt may hold, per modality, e.g. {"image": 4} '
+        "(a prompt with more is refused)",
+        default_text=f"{DEFAULT_MM_LIMIT} per modality, as vLLM V1",
+        cli={"type": json_object, "metavar": "JSON"},
+    )
+    allowed_local_media_path: str = option(
+        "",
+        help="folder whose files chat messages may name as images (file:// URLs in image_url "
+        "parts); empty: no local files",
+        default_text="none: file:// URLs are refused",
+    )
     hf_config: Any
     eos_token_ids: tuple[int, ...]
     # The model as the user named it (a Hub id or a folder); `model` is its local folder.
@@ -197,6 +214,16 @@ class ModelConfig:
                 f"generation_config must be auto, vllm or a folder holding a "
                 f"generation_config.json, got {self.generation_config!r} (no such folder)"
             )
+        for modality, limit in (self.limit_mm_per_prompt or {}).items():
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(
+                    f"limit_mm_per_prompt[{modality!r}] must be an int >= 0, got {limit!r}"
+                )
+        if self.allowed_local_media_path and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(
+                f"allowed_local_media_path must be an existing folder, got "
+                f"{self.allowed_local_media_path!r}"
+            )
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         model_max_len = get_model_max_len(self.hf_config)
@@ -212,6 +239,10 @@ class ModelConfig:
         (LLaVA nests its Llama there), else `hf_config` itself. Read the text model's fields
         (vocab_size, layers, heads, context length) here, never on `hf_config`."""
         return get_hf_text_config(self.hf_config)
+
+    def mm_limit(self, modality: str) -> int:
+        """The most items of `modality` one prompt may hold (`limit_mm_per_prompt`)."""
+        return (self.limit_mm_per_prompt or {}).get(modality, DEFAULT_MM_LIMIT)
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """The sampling defaults the generation config sets (vLLM's name): a copy of

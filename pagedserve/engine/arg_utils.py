@@ -127,6 +127,8 @@ class EngineArgs:
     trust_remote_code: bool = _FROM_CONFIG
     hf_overrides: dict[str, Any] | None = _FROM_CONFIG
     generation_config: str = _FROM_CONFIG
+    limit_mm_per_prompt: dict[str, int] | None = _FROM_CONFIG
+    allowed_local_media_path: str = _FROM_CONFIG
     block_size: int = _FROM_CONFIG
     gpu_memory_utilization: float = _FROM_CONFIG
     kv_cache_memory_bytes: int | None = _FROM_CONFIG
@@ -161,6 +163,8 @@ class EngineArgs:
             self.download_dir = os.fspath(self.download_dir)
         if isinstance(self.generation_config, os.PathLike):
             self.generation_config = os.fspath(self.generation_config)
+        if isinstance(self.allowed_local_media_path, os.PathLike):
+            self.allowed_local_media_path = os.fspath(self.allowed_local_media_path)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -73,7 +73,10 @@ def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputP
         if image_token_id is None:
             image_token_id = model_config.hf_config.image_token_index
         mm_processor = MultiModalProcessor(
-            model_config.model, int(image_token_id), model_config.trust_remote_code
+            model_config.model,
+            int(image_token_id),
+            model_config.trust_remote_code,
+            model_config.mm_limit("image"),
         )
     input_processor = InputProcessor(
         tokenizer,

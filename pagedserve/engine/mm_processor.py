@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve.config import DEFAULT_MM_LIMIT
 from pagedserve.errors import InvalidRequestError
 from pagedserve.multimodal import MultiModalFeature, hash_pixels, placeholder_ranges
 
@@ -19,10 +20,18 @@ SUPPORTED_MODALITIES = ("image",)
 class MultiModalProcessor:
     """Loads the processor of `model_dir` on first use (once; the server tokenizes from a
     thread pool), then prepares prompts with images. `image_token_id` is the config's
-    (LlavaConfig.image_token_index): the id of each image's placeholder tokens."""
+    (LlavaConfig.image_token_index): the id of each image's placeholder tokens;
+    `max_images`: limit_mm_per_prompt's "image" (vLLM's; default 999)."""
 
-    def __init__(self, model_dir: str, image_token_id: int, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        image_token_id: int,
+        trust_remote_code: bool = False,
+        max_images: int = DEFAULT_MM_LIMIT,
+    ):
         self.model_dir = model_dir
+        self.max_images = max_images
         self.image_token_id = image_token_id
         self.trust_remote_code = trust_remote_code
         self._processor: Any = None
@@ -45,9 +54,17 @@ class MultiModalProcessor:
         self, text: str, mm_data: Mapping[str, Any]
     ) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
         """(prompt token ids, the images in prompt order). Raises InvalidRequestError naming
-        multi_modal_data for an unknown modality, an image that is not a PIL image, or a
-        prompt whose image placeholders do not match the images given."""
+        multi_modal_data for an unknown modality, more images than `max_images`, an image
+        that is not a PIL image, or a prompt whose image placeholders do not match the
+        images given."""
         images = _images(mm_data)
+        if len(images) > self.max_images:
+            raise InvalidRequestError(
+                f"multi_modal_data has {len(images)} images, more than limit_mm_per_prompt "
+                f'allows ({{"image": {self.max_images}}}); send fewer, or start the engine '
+                f"with a higher limit_mm_per_prompt (--limit-mm-per-prompt)",
+                "multi_modal_data",
+            )
         try:
             out = self.processor(text=text, images=images, return_tensors="np")
             token_ids = [int(t) for t in out["input_ids"][0]]

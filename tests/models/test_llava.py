@@ -322,3 +322,10 @@ def test_registry_runs_llava_natively_only() -> None:
     assert check_model_impl(config, "pagedserve") == "pagedserve"
     with pytest.raises(UnsupportedModelError, match="multimodal model .* text_config"):
         check_model_impl(config, "transformers")
+
+
+def test_limit_mm_per_prompt_offline(llava_dir: Path) -> None:
+    """limit_mm_per_prompt (vLLM's) refuses a prompt with more images, naming the limit."""
+    limited = make_llm(llava_dir, limit_mm_per_prompt={"image": 1})
+    with pytest.raises(ValueError, match=r"2 images, more than limit_mm_per_prompt"):
+        limited.generate({"prompt": TWO, "multi_modal_data": {"image": [image(1), image(2)]}})
