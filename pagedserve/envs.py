@@ -33,6 +33,18 @@ def max_stop_string_chars() -> int:
     return _positive_int("PAGEDSERVE_MAX_STOP_STRING_CHARS", 8192)
 
 
+def image_fetch_timeout() -> float:
+    """PAGEDSERVE_IMAGE_FETCH_TIMEOUT (vLLM's VLLM_IMAGE_FETCH_TIMEOUT): seconds an http(s)
+    image URL of a chat message may take to download, default 5."""
+    return _positive_float("PAGEDSERVE_IMAGE_FETCH_TIMEOUT") or 5.0
+
+
+def max_image_bytes() -> int:
+    """PAGEDSERVE_MAX_IMAGE_BYTES: the largest image (encoded bytes) a chat message's http(s)
+    or file URL may give, default 20 MiB; a larger one is refused before it is decoded."""
+    return _positive_int("PAGEDSERVE_MAX_IMAGE_BYTES", 20 * 2**20)
+
+
 def peak_bandwidth() -> float | None:
     """PAGEDSERVE_PEAK_BANDWIDTH: the device's peak memory bandwidth in bytes/s for the MBU
     figures, overriding the table of known devices (`roofline.DEVICE_PEAKS`); None when

@@ -22,27 +22,33 @@ logger = logging.getLogger(__name__)
 _PASSED_KEYS = ("name", "tool_call_id")
 
 
-def _content_text(content: Any, where: str) -> str:
-    """A message's content as one string: a string as is, None as "", a list of text parts
-    joined by newlines (vLLM's "string" content format, which templates expect)."""
+def _content_parts(content: Any, where: str) -> list[dict[str, Any]]:
+    """A message's content as a list of parts, {"type": "text", "text": str} or
+    {"type": "image"} (an image_url part after `chat_media.load_chat_images`): vLLM's
+    "openai" content format, which multimodal templates iterate over. A string is one text
+    part, None none."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [{"type": "text", "text": content}]
     if not isinstance(content, list | tuple):
         raise InvalidRequestError(
             f"{where}.content must be a string, a list of content parts or null, "
             f"got {type(content).__name__}",
             "messages",
         )
-    texts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         part_type = part.get("type") if isinstance(part, Mapping) else None
+        if part_type == "image":
+            parts.append({"type": "image"})
+            continue
         if part_type != "text":
             described = repr(part_type) if part_type is not None else type(part).__name__
             raise InvalidRequestError(
                 f"{where}.content[{i}] has type {described}, which pagedserve does not "
-                f"support: content parts must be text ({{'type': 'text', 'text': ...}})",
+                f"support: content parts must be text ({{'type': 'text', 'text': ...}}) or, "
+                f"for a vision-language model, image_url",
                 "messages",
             )
         text = part.get("text")
@@ -51,8 +57,20 @@ def _content_text(content: Any, where: str) -> str:
                 f"{where}.content[{i}].text must be a string, got {type(text).__name__}",
                 "messages",
             )
-        texts.append(text)
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": text})
+    return parts
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A message's content as one string: text parts joined by newlines (vLLM's "string"
+    content format, which text-only templates expect)."""
+    parts = _content_parts(content, where)
+    if any(part["type"] != "text" for part in parts):  # only after load_chat_images
+        raise InvalidRequestError(
+            f"{where} holds an image, but the chat is rendered as text (a text-only model)",
+            "messages",
+        )
+    return "\n".join(part["text"] for part in parts)
 
 
 def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
@@ -88,9 +106,13 @@ def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def normalize_messages(
+    messages: Sequence[Mapping[str, Any]], content_parts: bool = False
+) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: `content` a string (text parts joined by
-    newlines, None as ""), the "developer" role as "system" (OpenAI's newer name for it).
+    newlines, None as ""), or with `content_parts` (a vision-language model's template) a
+    list of {"type": "text", "text"} and {"type": "image"} parts; the "developer" role as
+    "system" (OpenAI's newer name for it).
 
     messages: dicts with "role" (a string) and "content" (a string, None, or a list of
     {"type": "text", "text": str} parts); "name" and "tool_call_id" pass through;
@@ -102,6 +124,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     """
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of messages", "messages")
+    content_of = _content_parts if content_parts else _content_text
     normalized = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -115,7 +138,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             raise InvalidRequestError(f"{where} needs a 'role' string", "messages")
         item: dict[str, Any] = {
             "role": "system" if role == "developer" else role,
-            "content": _content_text(message.get("content"), where),
+            "content": content_of(message.get("content"), where),
         }
         for key in _PASSED_KEYS:
             if message.get(key) is not None:
@@ -182,6 +205,7 @@ def render_chat(
     add_special_tokens: bool = False,
     max_model_len: int | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    content_parts: bool = False,
 ) -> tuple[str, list[int]]:
     """The prompt text and token ids of a conversation (`normalize_messages`, then the chat
     template, then the tokenizer).
@@ -194,7 +218,10 @@ def render_chat(
     tokenize=True)`. max_model_len (None: no check) refuses a text too long to fit before
     encoding it. tools: OpenAI's tool list ({"type": "function", "function": {"name",
     "description", "parameters"}}), checked by `normalize_tools` and given to the template
-    as `tools` (templates without tool support ignore it).
+    as `tools` (templates without tool support ignore it). content_parts: see
+    `normalize_messages` (True for a vision-language model, whose messages' image parts
+    `chat_media.load_chat_images` made {"type": "image"}; the token ids then hold each
+    image's one unexpanded placeholder: the engine's processor expands them).
     Raises InvalidRequestError: no template, bad messages or tools, a template that fails
     on them.
     """
@@ -208,7 +235,7 @@ def render_chat(
             "...), or the server's --chat-template FILE), or use a plain text prompt",
             "messages",
         )
-    conversation = normalize_messages(messages)
+    conversation = normalize_messages(messages, content_parts)
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise InvalidRequestError(
             "continue_final_message needs the last message to be from the assistant, "

@@ -13,6 +13,7 @@ from pagedserve.engine.beam_search import BeamSearchOutput, beam_search, step_pa
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.model_files import default_sampling_params
+from pagedserve.entrypoints.chat_media import MediaOptions, load_chat_images
 from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import Logprob, RequestOutput
@@ -199,32 +200,49 @@ class LLM:
         (`chat_utils.render_chat`).
 
         messages: one conversation (a list of {"role", "content"} dicts; content a string,
-        None, or a list of {"type": "text", "text": ...} parts) or a list of them.
+        None, or a list of OpenAI content parts: {"type": "text", "text": ...} and, for a
+        vision-language model, {"type": "image_url", "image_url": {"url": ...}} with a
+        data:image/...;base64 URL, a file:// URL under allowed_local_media_path or an
+        http(s) URL; see `chat_media`) or a list of them. Each image part becomes the
+        model's image placeholder in the template's text (a multimodal template gets the
+        content as parts, each image {"type": "image"}), and the images go to the engine as
+        multi_modal_data.
         chat_template_kwargs: extra variables for the template (e.g. enable_thinking); a
         "tools" key there wins over `tools`, as in vLLM.
         tools: OpenAI's tool list ([{"type": "function", "function": {"name", "description",
         "parameters"}}]), checked as the server checks a request's and rendered by the
         template (vLLM's `tools`); the output is plain text (no tool-call parsing offline).
         Raises ValueError when the tokenizer has no chat template and none is given, for a
-        content part other than text, for a malformed tool (naming `tools[i]`), and when the
-        template fails on the messages.
+        content part other than text and image_url, an image that cannot be loaded, more
+        images than limit_mm_per_prompt or an image for a text-only model (each naming the
+        part, e.g. messages[0].content[1]), for a malformed tool (naming `tools[i]`), and
+        when the template fails on the messages.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        engine = self.llm_engine
+        media = MediaOptions.of_model(
+            engine.config.model_config, engine.input_processor.mm_processor
+        )
         prompts: list[PromptType] = []
         for conversation in conversations:
+            conversation, images = load_chat_images(conversation, media)  # type: ignore[arg-type]
             text, token_ids = render_chat(
                 tokenizer,
-                conversation,  # type: ignore[arg-type]
+                conversation,
                 chat_template,
                 add_generation_prompt,
                 continue_final_message,
                 chat_template_kwargs,
                 # Refuse megabytes before tokenizing them, as generate() and the server do.
-                max_model_len=self.llm_engine.config.model_config.max_model_len,
+                max_model_len=engine.config.model_config.max_model_len,
                 tools=tools,
+                content_parts=media.mm_processor is not None,
             )
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+            if images:  # the model's processor expands each placeholder to the image's tokens
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+            else:
+                prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm)
 

@@ -81,9 +81,11 @@ def test_tools_are_rendered_by_the_template(llm: LLM) -> None:
     assert with_tools.prompt == expected
     assert with_tools.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
     request = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": [WEATHER_TOOL]})
-    assert chat_prompt(tokenizer, request, None) == (
+    chat = chat_prompt(tokenizer, request, None)
+    assert (chat.text, chat.token_ids, chat.images) == (
         with_tools.prompt,
         with_tools.prompt_token_ids,
+        [],
     )
 
     plain = llm.generate({"prompt_token_ids": with_tools.prompt_token_ids}, PARAMS, use_tqdm=False)

@@ -87,7 +87,7 @@ def test_chat_takes_text_parts_as_the_server_does(llm: LLM) -> None:
         assert as_parts.prompt_token_ids == as_text.prompt_token_ids
     assert as_parts.prompt == "user: Hi\n"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    with pytest.raises(ValueError, match="content\\[0\\] has type 'image_url'"):
+    with pytest.raises(ValueError, match="content\\[0\\] is an image, but this model is text-only"):
         llm.chat(image, params, chat_template=PLAIN_TEMPLATE, use_tqdm=False)
     shapes = [{"role": "developer", "content": "Be kind"}, {"role": "user", "content": None}]
     shaped = llm.chat(shapes, params, chat_template=PLAIN_TEMPLATE, use_tqdm=False)[0]

@@ -324,6 +324,35 @@ def test_registry_runs_llava_natively_only() -> None:
         check_model_impl(config, "transformers")
 
 
+def test_chat_with_image_parts(llm: LLM, tmp_path: Path) -> None:
+    """LLM.chat renders each image_url part as the template's "<image>" and gives the
+    offline generate's tokens; a bad part is refused naming it."""
+    import base64
+    import io
+
+    def url(img: Image.Image) -> str:
+        buf = io.BytesIO()
+        img.save(buf, "PNG")  # lossless: the same pixels as the PIL image
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    parts = [
+        {"type": "image_url", "image_url": {"url": url(image(1))}},
+        {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": url(image(2))}},
+    ]
+    [output] = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
+    assert output.prompt == "USER: <image>\n<image>\nand ASSISTANT:"
+    expected = generate(llm, output.prompt, [image(1), image(2)])
+    assert output.prompt_token_ids == expected.prompt_token_ids
+    assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+
+    (tmp_path / "cat.png").write_bytes(base64.b64decode(url(image(1)).split(",")[1]))
+    bad = {"type": "image_url", "image_url": {"url": f"file://{tmp_path / 'cat.png'}"}}
+    with pytest.raises(ValueError, match="without --allowed-local-media-path") as error:
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, bad]}])
+    assert error.value.param == "messages[0].content[1]"  # type: ignore[attr-defined]
+
+
 def test_limit_mm_per_prompt_offline(llava_dir: Path) -> None:
     """limit_mm_per_prompt (vLLM's) refuses a prompt with more images, naming the limit."""
     limited = make_llm(llava_dir, limit_mm_per_prompt={"image": 1})

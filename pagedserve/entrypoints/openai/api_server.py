@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve import envs
 from pagedserve.engine.prompt_bound import check_prompt_chars
+from pagedserve.entrypoints.chat_media import MediaOptions
 from pagedserve.errors import EngineDeadError, PagedServeError, ServerShuttingDownError
 from pagedserve.version import __version__
 
@@ -55,7 +56,7 @@ from .protocol import (
 )
 from .server_metrics import add_metrics_route, add_process_metrics, instrument_http
 from .serving import Engine, OpenAIError, check_model, error_body, to_openai_error
-from .serving_chat import OpenAIServingChat, chat_prompt
+from .serving_chat import TEXT_ONLY, OpenAIServingChat, chat_prompt
 from .serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ def build_app(
     reasoning_parser: str | None = None,
     root_path: str | None = None,
     protect_metrics: bool = False,
+    media: MediaOptions = TEXT_ONLY,
 ) -> FastAPI:
     """The FastAPI app of one engine. `registry` holds the metrics that /metrics shows; the
     app adds its HTTP metrics to it (server_metrics.instrument_http).
@@ -154,6 +156,8 @@ def build_app(
     it or without it (RootPathMiddleware).
     protect_metrics: --protect-metrics, /metrics needs the API key too (/dashboard, a page
     without data, stays open and asks for the key).
+    media: the model's image support in chat messages (default: a text-only model; the
+    server passes `MediaOptions.of_model`: --limit-mm-per-prompt, --allowed-local-media-path).
     Raises ValueError when the tokenizer lacks the reasoning parser's marker tokens.
 
     `on_engine_death` (None: keep answering 503) is called once, while the app runs, soon
@@ -203,7 +207,7 @@ def build_app(
     chat = OpenAIServingChat(
         engine, served_model_names, chat_template, defaults,
         enable_auto_tools=enable_auto_tool_choice, tool_parser=tool_call_parser,
-        reasoning_parser=reasoning_parser,
+        reasoning_parser=reasoning_parser, media=media,
     )  # fmt: skip
     tokenizer = engine.get_tokenizer()
 
@@ -236,8 +240,8 @@ def build_app(
 
     def tokenize_sync(request: TokenizeChatRequest | TokenizeCompletionRequest) -> list[int]:
         if isinstance(request, TokenizeChatRequest):
-            _, token_ids = chat_prompt(tokenizer, request, chat_template, engine.max_model_len)
-            return token_ids
+            chat = chat_prompt(tokenizer, request, chat_template, engine.max_model_len, media)
+            return chat.prompt_token_ids(media)  # with the images' tokens
         check_prompt_chars(tokenizer, request.prompt, engine.max_model_len)
         return list(tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
 
@@ -364,6 +368,9 @@ def run_server(args: argparse.Namespace) -> None:
                 reasoning_parser=args.reasoning_parser,
                 root_path=args.root_path,
                 protect_metrics=args.protect_metrics,
+                media=MediaOptions.of_model(
+                    engine.config.model_config, engine.input_processor.mm_processor
+                ),
             )
         except ValueError as e:  # e.g. a reasoning parser whose markers the tokenizer lacks
             raise SystemExit(f"pagedserve serve: error: {e}") from None

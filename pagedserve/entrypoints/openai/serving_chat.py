@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.logprob_text import LogprobBytes
+from pagedserve.entrypoints.chat_media import ChatPrompt, MediaOptions, load_chat_images
 from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.errors import InvalidRequestError
 from pagedserve.outputs import CompletionOutput, RequestOutput
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 # A request asking for nothing but the text: checks that a reasoning parser can be made.
 _PLAIN_REQUEST = ChatCompletionRequest.model_validate({"messages": [{"role": "user"}]})
+TEXT_ONLY = MediaOptions()  # a text-only model: image parts are refused
 
 
 def chat_prompt(
@@ -56,12 +58,15 @@ def chat_prompt(
     request: ChatCompletionRequest | TokenizeChatRequest,
     chat_template: str | None,
     max_model_len: int | None = None,
-) -> tuple[str, list[int]]:
-    """The prompt text and token ids of a chat request (`chat_utils.render_chat`, shared with
-    the offline `LLM.chat`; its InvalidRequestError is a 400), for /v1/chat/completions and
-    /tokenize alike. `max_model_len` (None: no check) refuses texts too long to fit before
-    encoding them. A template in the request is a 400 (as vLLM without
-    --trust-request-chat-template): a template runs code on the server."""
+    media: MediaOptions = TEXT_ONLY,
+) -> ChatPrompt:
+    """The prompt text, token ids and images of a chat request (`chat_media.load_chat_images`
+    then `chat_utils.render_chat`, shared with the offline `LLM.chat`; their
+    InvalidRequestError is a 400), for /v1/chat/completions and /tokenize alike.
+    `max_model_len` (None: no check) refuses texts too long to fit before encoding them.
+    `media`: whether the model takes images (OpenAI's image_url parts) and from where. A
+    template in the request is a 400 (as vLLM without --trust-request-chat-template): a
+    template runs code on the server. Runs in a thread: it may fetch http(s) images."""
     if request.chat_template is not None:
         raise OpenAIError(
             400,
@@ -69,9 +74,11 @@ def chat_prompt(
             "server); start the server with --chat-template instead",
             "chat_template",
         )
-    return render_chat(
+    messages = [message.model_dump(exclude_none=True) for message in request.messages]
+    messages, images = load_chat_images(messages, media)
+    text, token_ids = render_chat(
         tokenizer,
-        [message.model_dump(exclude_none=True) for message in request.messages],
+        messages,
         chat_template,
         request.add_generation_prompt,
         request.continue_final_message,
@@ -79,7 +86,9 @@ def chat_prompt(
         request.add_special_tokens,
         max_model_len,
         [tool.model_dump(exclude_none=True) for tool in request.tools or []],
+        content_parts=media.mm_processor is not None,
     )
+    return ChatPrompt(text, token_ids, images)
 
 
 class OpenAIServingChat:
@@ -93,14 +102,17 @@ class OpenAIServingChat:
         enable_auto_tools: bool = False,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        media: MediaOptions = TEXT_ONLY,
     ) -> None:
         """enable_auto_tools, tool_parser: the server's --enable-auto-tool-choice and
-        --tool-call-parser; reasoning_parser: --reasoning-parser (None: none). Raises
+        --tool-call-parser; reasoning_parser: --reasoning-parser (None: none); media: the
+        model's image support (--limit-mm-per-prompt, --allowed-local-media-path). Raises
         ValueError when the tokenizer lacks the reasoning parser's marker tokens."""
         self.engine = engine
         self.enable_auto_tools = enable_auto_tools
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        self.media = media
         # The model's generation-config defaults (vLLM's default_sampling_params).
         self.default_sampling_params = default_sampling_params or {}
         self.served_model_names = served_model_names
@@ -126,13 +138,21 @@ class OpenAIServingChat:
         check_prompt_logprobs(request)
         check_tool_request(request, self.enable_auto_tools, self.tool_parser)
         check_beam_search(request)
-        text, token_ids = await asyncio.to_thread(  # off the event loop, as for completions
+        chat = await asyncio.to_thread(  # off the event loop, as for completions
             chat_prompt,
             self.tokenizer,
             request,
             self.chat_template,
             None if request.truncate_prompt_tokens is not None else self.engine.max_model_len,
+            self.media,
         )
+        if chat.images and request.use_beam_search:
+            raise OpenAIError(
+                400,
+                "use_beam_search does not support images yet (its steps are token-id prompts, "
+                "which would drop them); sample without beam search",
+                "use_beam_search",
+            )
         defaults = self.default_sampling_params
         max_tokens = request.max_completion_tokens
         if max_tokens is None:  # not `or`: max_completion_tokens=0 is an error, not "unset"
@@ -146,7 +166,7 @@ class OpenAIServingChat:
         )  # fmt: skip
         apply_tool_params(request, params, self.enable_auto_tools and bool(self.tool_parser))
         request_id = random_id("chatcmpl")
-        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        prompt = chat.engine_prompt()
         try:
             if request.use_beam_search:
                 beam = beam_search_params(request, max_tokens, defaults)
@@ -160,7 +180,7 @@ class OpenAIServingChat:
                 self.engine, request_id, [prompt], params, request.priority, request.cache_salt
             )
         except InvalidRequestError as e:  # the engine's field names, in chat's words
-            if e.param == "prompt":
+            if e.param in ("prompt", "multi_modal_data"):
                 e.param = "messages"
             elif e.param == "max_tokens" and request.max_completion_tokens is not None:
                 e.param = "max_completion_tokens"
