@@ -158,6 +158,7 @@ def main(args: argparse.Namespace) -> int:
     """Load the engine, run the batch file, write the results; SystemExit on a bad flag."""
     from pagedserve.engine.arg_utils import engine_args_from_namespace
     from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.entrypoints.chat_media import MediaOptions
 
     from .api_server import build_app
     from .cli_args import resolve_server_args
@@ -173,9 +174,13 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, NotImplementedError, OSError) as e:
         raise SystemExit(f"pagedserve run-batch: error: {e}") from None
     try:
+        media = MediaOptions.of_model(
+            engine.config.model_config, engine.input_processor.mm_processor
+        )  # a LLaVA batch's chat requests may hold images, as the server's
         app = build_app(
-            engine, args.served_model_name, chat_template=chat_template, model_root=args.model
-        )
+            engine, args.served_model_name, chat_template=chat_template, model_root=args.model,
+            media=media,
+        )  # fmt: skip
         max_in_flight = 2 * engine.config.scheduler_config.max_num_seqs  # as vLLM
 
         async def run() -> list[dict[str, Any]]:

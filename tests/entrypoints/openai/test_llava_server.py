@@ -209,3 +209,30 @@ def test_an_image_for_a_text_only_model_is_a_400(fake_app: Any) -> None:
         error = response.json()["error"]
         assert error["param"] == "messages[0].content[1]" and "text-only" in error["message"]
     assert fake_app.post("/tokenize", {"messages": user(text_part("hi"))}).status_code == 200
+
+
+def test_run_batch_chat_with_an_image(server: Server, llava_dir: Path, tmp_path: Path) -> None:
+    """`pagedserve run-batch` takes a chat line with an image as the server does."""
+    import json
+    import subprocess
+    import sys
+
+    messages = user(image_part(data_url(image(1))), text_part("What is in this picture?"))
+    body = {"model": server.model, "messages": messages, **CHAT_PARAMS, **IGNORE_EOS}
+    request = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps(request) + "\n")
+    command = [
+        sys.executable, "-m", "pagedserve.entrypoints.cli", "run-batch", "-i", str(source),
+        "-o", str(target), "--model", str(llava_dir), "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "256", "--kv-cache-memory-bytes", str(16 * 2**20),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [result] = [json.loads(text) for text in target.read_text().splitlines()]
+    assert result["error"] is None and result["response"]["status_code"] == 200, result
+    expected = server.post("/v1/chat/completions", body).json()
+    got = result["response"]["body"]
+    assert got["choices"][0]["message"] == expected["choices"][0]["message"]
+    assert got["usage"] == expected["usage"]
