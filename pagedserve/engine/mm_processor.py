@@ -50,6 +50,12 @@ class MultiModalProcessor:
                 )
             return self._processor
 
+    @property
+    def image_placeholder(self) -> str:
+        """The text that stands for one image in a prompt (the processor's image_token, e.g.
+        LLaVA's "<image>")."""
+        return str(self.processor.image_token)
+
     def process(
         self, text: str, mm_data: Mapping[str, Any]
     ) -> tuple[list[int], tuple[MultiModalFeature, ...]]:

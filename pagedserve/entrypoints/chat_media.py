@@ -40,6 +40,11 @@ class MediaOptions:
     fetch_timeout_s: float = 5.0
     max_image_bytes: int = 20 * 2**20
 
+    @property
+    def image_placeholder(self) -> str | None:
+        """The model's image placeholder text (None: a text-only model)."""
+        return None if self.mm_processor is None else self.mm_processor.image_placeholder
+
     @classmethod
     def of_model(
         cls, model_config: ModelConfig, mm_processor: MultiModalProcessor | None

@@ -6,6 +6,7 @@ HTTP 400 on the server) naming the request field at fault.
 
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,16 +62,34 @@ def _content_parts(content: Any, where: str) -> list[dict[str, Any]]:
     return parts
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, image_placeholder: str | None = None) -> str:
     """A message's content as one string: text parts joined by newlines (vLLM's "string"
-    content format, which text-only templates expect)."""
+    content format, which text-only templates expect). Image parts become
+    `image_placeholder` (the model's, e.g. "<image>"), first and one per line, as vLLM
+    renders images for a string-content template; without one they are refused."""
     parts = _content_parts(content, where)
-    if any(part["type"] != "text" for part in parts):  # only after load_chat_images
+    num_images = sum(part["type"] == "image" for part in parts)
+    if num_images and image_placeholder is None:  # only after load_chat_images
         raise InvalidRequestError(
             f"{where} holds an image, but the chat is rendered as text (a text-only model)",
             "messages",
         )
-    return "\n".join(part["text"] for part in parts)
+    texts = [part["text"] for part in parts if part["type"] == "text"]
+    return "\n".join([str(image_placeholder)] * num_images + texts)
+
+
+# A template that iterates over a message's content (or filters it) takes content parts
+# (vLLM's "openai" content format; vLLM finds such loops in the template's Jinja syntax tree,
+# this pattern in its text); any other takes a string.
+_ITERATES_CONTENT = re.compile(
+    r"""for\s+\w+\s+in\s+\w+(\[[^\]]*\])*?(\[['"]content['"]\]|\.content\b)"""
+    r"""|(\[['"]content['"]\]|\.content)\s*\|\s*(selectattr|rejectattr|select|reject|map)"""
+)
+
+
+def takes_content_parts(template: Any) -> bool:
+    """Whether a chat template (Jinja text) renders content parts rather than a string."""
+    return isinstance(template, str) and _ITERATES_CONTENT.search(template) is not None
 
 
 def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
@@ -107,12 +126,14 @@ def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
 
 
 def normalize_messages(
-    messages: Sequence[Mapping[str, Any]], content_parts: bool = False
+    messages: Sequence[Mapping[str, Any]],
+    content_parts: bool = False,
+    image_placeholder: str | None = None,
 ) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: `content` a string (text parts joined by
-    newlines, None as ""), or with `content_parts` (a vision-language model's template) a
-    list of {"type": "text", "text"} and {"type": "image"} parts; the "developer" role as
-    "system" (OpenAI's newer name for it).
+    newlines, None as "", image parts as `image_placeholder`), or with `content_parts` (a
+    template that iterates over the content) a list of {"type": "text", "text"} and
+    {"type": "image"} parts; the "developer" role as "system" (OpenAI's newer name for it).
 
     messages: dicts with "role" (a string) and "content" (a string, None, or a list of
     {"type": "text", "text": str} parts); "name" and "tool_call_id" pass through;
@@ -124,7 +145,12 @@ def normalize_messages(
     """
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of messages", "messages")
-    content_of = _content_parts if content_parts else _content_text
+
+    def content_of(content: Any, where: str) -> Any:
+        if content_parts:
+            return _content_parts(content, where)
+        return _content_text(content, where, image_placeholder)
+
     normalized = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -205,7 +231,7 @@ def render_chat(
     add_special_tokens: bool = False,
     max_model_len: int | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
-    content_parts: bool = False,
+    image_placeholder: str | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and token ids of a conversation (`normalize_messages`, then the chat
     template, then the tokenizer).
@@ -218,10 +244,12 @@ def render_chat(
     tokenize=True)`. max_model_len (None: no check) refuses a text too long to fit before
     encoding it. tools: OpenAI's tool list ({"type": "function", "function": {"name",
     "description", "parameters"}}), checked by `normalize_tools` and given to the template
-    as `tools` (templates without tool support ignore it). content_parts: see
-    `normalize_messages` (True for a vision-language model, whose messages' image parts
-    `chat_media.load_chat_images` made {"type": "image"}; the token ids then hold each
-    image's one unexpanded placeholder: the engine's processor expands them).
+    as `tools` (templates without tool support ignore it). image_placeholder: a
+    vision-language model's (e.g. "<image>"; None: a text-only model), whose messages'
+    image parts `chat_media.load_chat_images` made {"type": "image"}: a template that
+    iterates over the content gets the parts (llava-hf's writes the placeholder itself),
+    another the text with the placeholder (`normalize_messages`); the token ids then hold
+    each image's one unexpanded placeholder (the engine's processor expands them).
     Raises InvalidRequestError: no template, bad messages or tools, a template that fails
     on them.
     """
@@ -235,7 +263,10 @@ def render_chat(
             "...), or the server's --chat-template FILE), or use a plain text prompt",
             "messages",
         )
-    conversation = normalize_messages(messages, content_parts)
+    content_parts = image_placeholder is not None and takes_content_parts(
+        chat_template if chat_template is not None else tokenizer.chat_template
+    )
+    conversation = normalize_messages(messages, content_parts, image_placeholder)
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise InvalidRequestError(
             "continue_final_message needs the last message to be from the assistant, "

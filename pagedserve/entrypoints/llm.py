@@ -237,7 +237,7 @@ class LLM:
                 # Refuse megabytes before tokenizing them, as generate() and the server do.
                 max_model_len=engine.config.model_config.max_model_len,
                 tools=tools,
-                content_parts=media.mm_processor is not None,
+                image_placeholder=media.image_placeholder,
             )
             if images:  # the model's processor expands each placeholder to the image's tokens
                 prompts.append({"prompt": text, "multi_modal_data": {"image": images}})

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import transformers
 
-from pagedserve.entrypoints.chat_utils import normalize_messages, render_chat
+from pagedserve.entrypoints.chat_utils import normalize_messages, render_chat, takes_content_parts
 from pagedserve.errors import InvalidRequestError
 
 TOKENIZERS = Path(__file__).resolve().parents[3] / "shared" / "tokenizers"
@@ -103,3 +103,19 @@ def test_template_errors_are_invalid_requests(tokenizers: dict[str, Any]) -> Non
             tokenizers["qwen3"], [{"role": "user", "content": "Hi"}], continue_final_message=True
         )
     assert error.value.param == "continue_final_message"
+
+
+@pytest.mark.parametrize(
+    ("template", "takes_parts"),
+    [
+        ("{% for message in messages %}{{ message['content'] }}{% endfor %}", False),
+        ("{% for m in messages %}{% for c in m['content'] %}{{ c.text }}{% endfor %}", True),
+        ("{% for p in message['content'] | selectattr('type', 'equalto', 'image') %}", True),
+        ("{% for p in message.content %}{{ p }}{% endfor %}", True),
+        (None, False),
+    ],
+)
+def test_content_format_of_a_template(template: str | None, takes_parts: bool) -> None:
+    """A template that iterates over (or filters) a message's content gets content parts
+    (vLLM's "openai" content format); one that prints it gets a string."""
+    assert takes_content_parts(template) is takes_parts

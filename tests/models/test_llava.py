@@ -346,6 +346,18 @@ def test_chat_with_image_parts(llm: LLM, tmp_path: Path) -> None:
     assert output.prompt_token_ids == expected.prompt_token_ids
     assert output.outputs[0].token_ids == expected.outputs[0].token_ids
 
+    # A template that takes string content (as vLLM's template_llava.jinja) gets each image
+    # as the processor's "<image>" at the start of the message's text, as vLLM renders it.
+    string_template = (
+        "{% for message in messages %}{{ message['role'].upper() + ': ' + message['content'] }}"
+        " {% endfor %}ASSISTANT:"
+    )
+    [as_text] = llm.chat(
+        [{"role": "user", "content": parts}], GREEDY, chat_template=string_template,
+        use_tqdm=False,
+    )  # fmt: skip
+    assert as_text.prompt == "USER: <image>\n<image>\nand ASSISTANT:"
+
     (tmp_path / "cat.png").write_bytes(base64.b64decode(url(image(1)).split(",")[1]))
     bad = {"type": "image_url", "image_url": {"url": f"file://{tmp_path / 'cat.png'}"}}
     with pytest.raises(ValueError, match="without --allowed-local-media-path") as error:

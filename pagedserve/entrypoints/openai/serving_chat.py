@@ -86,7 +86,7 @@ def chat_prompt(
         request.add_special_tokens,
         max_model_len,
         [tool.model_dump(exclude_none=True) for tool in request.tools or []],
-        content_parts=media.mm_processor is not None,
+        image_placeholder=media.image_placeholder,
     )
     return ChatPrompt(text, token_ids, images)
 
