@@ -56,6 +56,14 @@ class MultiModalProcessor:
         LLaVA's "<image>")."""
         return str(self.processor.image_token)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The processor's chat template (llava-hf's folders keep it in chat_template.json,
+        which only the processor reads, or in chat_template.jinja, which the tokenizer
+        reads too)."""
+        template = getattr(self.processor, "chat_template", None)
+        return template if isinstance(template, str) else None
+
     def process(
         self, text: str, mm_data: Mapping[str, Any]
     ) -> tuple[list[int], tuple[MultiModalFeature, ...]]:

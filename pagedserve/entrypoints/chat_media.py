@@ -45,6 +45,14 @@ class MediaOptions:
         """The model's image placeholder text (None: a text-only model)."""
         return None if self.mm_processor is None else self.mm_processor.image_placeholder
 
+    def chat_template(self, tokenizer: Any, given: str | None) -> str | None:
+        """The template a chat is rendered with: `given` (--chat-template), else the
+        tokenizer's, else the processor's (None: the tokenizer's, which render_chat refuses
+        when there is none)."""
+        if given is not None or getattr(tokenizer, "chat_template", None) is not None:
+            return given
+        return None if self.mm_processor is None else self.mm_processor.chat_template
+
     @classmethod
     def of_model(
         cls, model_config: ModelConfig, mm_processor: MultiModalProcessor | None

@@ -230,7 +230,7 @@ class LLM:
             text, token_ids = render_chat(
                 tokenizer,
                 conversation,
-                chat_template,
+                media.chat_template(tokenizer, chat_template),
                 add_generation_prompt,
                 continue_final_message,
                 chat_template_kwargs,

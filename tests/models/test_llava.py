@@ -365,6 +365,24 @@ def test_chat_with_image_parts(llm: LLM, tmp_path: Path) -> None:
     assert error.value.param == "messages[0].content[1]"  # type: ignore[attr-defined]
 
 
+def test_chat_template_from_the_processor(llava_dir: Path, tmp_path: Path) -> None:
+    """A folder whose template is only in the processor's chat_template.json (older llava-hf
+    checkpoints; the tokenizer does not read it) still chats."""
+    import json
+    import shutil
+
+    folder = tmp_path / "llava-json-template"
+    shutil.copytree(llava_dir, folder)
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    llm = make_llm(folder)
+    assert llm.get_tokenizer().chat_template is None
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    [output] = llm.chat(messages, GREEDY, use_tqdm=False)
+    assert output.prompt == "USER: Hi ASSISTANT:"
+
+
 def test_limit_mm_per_prompt_offline(llava_dir: Path) -> None:
     """limit_mm_per_prompt (vLLM's) refuses a prompt with more images, naming the limit."""
     limited = make_llm(llava_dir, limit_mm_per_prompt={"image": 1})

@@ -79,7 +79,7 @@ def chat_prompt(
     text, token_ids = render_chat(
         tokenizer,
         messages,
-        chat_template,
+        media.chat_template(tokenizer, chat_template),
         request.add_generation_prompt,
         request.continue_final_message,
         request.chat_template_kwargs,
