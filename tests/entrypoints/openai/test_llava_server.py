@@ -66,10 +66,26 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+class MediaHandler(http.server.SimpleHTTPRequestHandler):
+    """Files, and /unsized: a body larger than the cap with no Content-Length (HTTP/1.0, read
+    until the connection closes), which the fetch must stop reading at the cap."""
+
+    def do_GET(self) -> None:
+        if self.path != "/unsized":
+            return super().do_GET()
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.end_headers()
+        self.wfile.write(b"\0" * (2 * MAX_IMAGE_BYTES))
+
+    def log_message(self, *args: Any) -> None:  # keep the test output clean
+        pass
+
+
 @pytest.fixture(scope="module")
 def http_url(media_dir: Path) -> Iterator[str]:
     """A static file server on loopback (serving `media_dir`)."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(media_dir))
+    handler = functools.partial(MediaHandler, directory=str(media_dir))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -167,12 +183,15 @@ def test_file_and_http_urls(server: Server, llm: LLM, media_dir: Path, http_url:
 
 
 def test_bad_images_are_400s_naming_the_part(
-    server: Server, llm: LLM, tmp_path: Path, http_url: str
+    server: Server, llm: LLM, tmp_path: Path, http_url: str, media_dir: Path
 ) -> None:
     """Each failure is a 400 with OpenAI's error body and the part as `param`; the server
     keeps serving."""
     outside = tmp_path / "outside.png"
     outside.write_bytes(png(image(1)))
+    link = media_dir / "link.png"  # inside the allowed folder, leading out of it
+    if not link.exists():
+        link.symlink_to(outside)
     good = image_part(data_url(image(1)))
     not_an_image = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
     cases = [
@@ -181,7 +200,10 @@ def test_bad_images_are_400s_naming_the_part(
         ([image_part(f"{http_url}/missing.png")], "content[0]", "HTTP 404"),
         ([image_part("http://127.0.0.1:9/x.png")], "content[0]", "fetching the image failed"),
         ([image_part(f"{http_url}/big.png")], "content[0]", f"larger than {MAX_IMAGE_BYTES}"),
+        ([image_part(f"{http_url}/unsized")], "content[0]", f"larger than {MAX_IMAGE_BYTES}"),
         ([image_part(f"file://{outside}")], "content[0]", "outside --allowed-local-media-path"),
+        ([image_part(f"file://{link}")], "content[0]", "outside --allowed-local-media-path"),
+        ([image_part(f"file://{media_dir}/none.png")], "content[0]", "cannot read the file"),
         ([image_part("ftp://host/x.png")], "content[0]", "unsupported image URL scheme"),
         ([image_part("data:image/png;base64,@@@")], "content[0]", "base64 is not valid"),
     ]
