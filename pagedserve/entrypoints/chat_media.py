@@ -72,8 +72,9 @@ def load_chat_images(messages: Sequence[Any], options: MediaOptions) -> tuple[li
     replaced by `{"type": "image"}`, which chat templates turn into the image placeholder;
     the images as RGB PIL images, in message and part order). Messages that are not dicts
     pass unchanged (normalize_messages refuses them). Raises InvalidRequestError naming the
-    part for an image sent to a text-only model, more images than `max_images`, a URL that
-    cannot be read, or bytes that are not an image."""
+    part for a client's own {"type": "image"} part, an image sent to a text-only model,
+    more images than `max_images`, a URL that cannot be read, or bytes that are not an
+    image."""
     result: list[Any] = []
     images: list[Any] = []
     for i, message in enumerate(messages):
@@ -83,10 +84,17 @@ def load_chat_images(messages: Sequence[Any], options: MediaOptions) -> tuple[li
             continue
         parts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, Mapping) and part.get("type") == "image_url"):
+            part_type = part.get("type") if isinstance(part, Mapping) else None
+            where = f"messages[{i}].content[{j}]"
+            if part_type == "image":  # ours only: it would be a placeholder without pixels
+                raise InvalidRequestError(
+                    f"{where} has type 'image', which pagedserve does not take from clients; "
+                    f"send an image as {{'type': 'image_url', 'image_url': {{'url': ...}}}}",
+                    where,
+                )
+            if part_type != "image_url":
                 parts.append(part)
                 continue
-            where = f"messages[{i}].content[{j}]"
             _check_room(options, len(images), where)
             images.append(load_image(_part_url(part, where), options, where))
             parts.append({"type": "image"})

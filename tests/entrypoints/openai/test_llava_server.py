@@ -206,6 +206,7 @@ def test_bad_images_are_400s_naming_the_part(
         ([image_part(f"file://{media_dir}/none.png")], "content[0]", "cannot read the file"),
         ([image_part("ftp://host/x.png")], "content[0]", "unsupported image URL scheme"),
         ([image_part("data:image/png;base64,@@@")], "content[0]", "base64 is not valid"),
+        ([text_part("hi"), {"type": "image"}], "content[1]", "has type 'image'"),
     ]
     for parts, where, message in cases:
         body = {"model": server.model, "messages": user(*parts), **CHAT_PARAMS}
