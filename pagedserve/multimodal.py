@@ -10,8 +10,19 @@ first feeds one of the image's tokens (`worker/encoder_cache.py`).
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+
+def image_token_id(hf_config: Any) -> int:
+    """The id of a vision-language config's image placeholder token: `image_token_id`
+    (transformers 5), else the older `image_token_index`. Raises AttributeError without
+    either."""
+    token_id = getattr(hf_config, "image_token_id", None)
+    if token_id is None:
+        token_id = hf_config.image_token_index
+    return int(token_id)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -27,7 +27,7 @@ not in N: it runs only on the sampled positions. With tensor parallelism every f
 rank's: the model's divided by the TP size (kv heads at least one per rank).
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,6 +218,20 @@ def utilization(records: Iterable[StepRecord], peaks: "Peaks") -> tuple[float | 
     )
     mfu = sum(r.step_flops for r in forwards) / seconds / peaks.flops if peaks.flops else None
     return mbu, mfu
+
+
+def run_summary(records: Sequence[StepRecord], peaks: "Peaks") -> dict[str, Any]:
+    """A run's roofline summary (`bench throughput`'s result fields): num_steps, the steps
+    that ran a forward (with a time); step_seconds, their seconds; mbu and mfu as
+    `utilization` gives them."""
+    forwards = [r for r in records if r.num_tokens > 0 and r.seconds > 0]
+    mbu, mfu = utilization(forwards, peaks)
+    return {
+        "num_steps": len(forwards),
+        "step_seconds": sum(r.seconds for r in forwards),
+        "mbu": mbu,
+        "mfu": mfu,
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,26 +89,14 @@ class AsyncLLMEngine:
         # Hub id is resolved (and downloaded) here first, once, and the core reads the folder.
         early_core = EngineCoreClient(engine_args, wait=False) if _local(engine_args) else None
         try:
-            self._init(engine_args, early_core, log_requests, log_stats, log_stats_interval_s,
-                       metrics, served_model_name)  # fmt: skip
-        except BaseException:
+            self.config = engine_args.create_engine_config()
+            processors = build_processors(self.config)
+        except BaseException:  # a bad option: the core would fail the same way
             if early_core is not None:
                 early_core.shutdown()
             raise
-
-    def _init(
-        self,
-        engine_args: EngineArgs,
-        early_core: EngineCoreClient | None,
-        log_requests: bool,
-        log_stats: bool,
-        log_stats_interval_s: float,
-        metrics: EngineMetrics | None,
-        served_model_name: str | None,
-    ) -> None:
-        self.config = engine_args.create_engine_config()
         model_config = self.config.model_config
-        self.tokenizer, self.input_processor, self.output_processor = build_processors(self.config)
+        self.tokenizer, self.input_processor, self.output_processor = processors
         self.log_requests = log_requests
         self.log_stats = log_stats
         self.log_stats_interval_s = log_stats_interval_s

@@ -132,7 +132,7 @@ class InputProcessor:
                 "could cut an image's tokens)",
                 "truncate_prompt_tokens",
             )
-        self._encode(text)  # the text's own checks (valid Unicode, length bound)
+        self._check_text(text)  # the processor tokenizes it, with the images
         token_ids, features = self.mm_processor.process(text, prompt["multi_modal_data"])
         return text, token_ids, features
 
@@ -287,6 +287,13 @@ class InputProcessor:
         )
 
     def _encode(self, text: str, check_length: bool = True) -> list[int]:
+        self._check_text(text, check_length)
+        return list(self.tokenizer.encode(text))
+
+    def _check_text(self, text: str, check_length: bool = True) -> None:
+        """A text prompt's checks before tokenizing: a tokenizer exists, valid Unicode, and
+        (`check_length`) not so many characters that it could not fit. Raises
+        InvalidRequestError."""
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "this engine has no tokenizer; pass prompt_token_ids", "prompt"
@@ -300,7 +307,6 @@ class InputProcessor:
             ) from None
         if check_length:
             check_prompt_chars(self.tokenizer, text, self.max_model_len)
-        return list(self.tokenizer.encode(text))
 
 
 def _cache_salt(prompt: PromptType) -> str | None:

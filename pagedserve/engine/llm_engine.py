@@ -11,7 +11,7 @@ from pagedserve.engine.model_files import log_diff_sampling_param, remote_code_e
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.errors import InvalidRequestError, RequestFailedError
 from pagedserve.kv_cache.manager import check_fits_cache
-from pagedserve.multimodal import MultiModalFeature
+from pagedserve.multimodal import MultiModalFeature, image_token_id
 from pagedserve.outputs import RequestOutput
 from pagedserve.request import Request, RequestStatus
 from pagedserve.roofline import StepRecord
@@ -69,12 +69,9 @@ def build_processors(config: EngineConfig) -> tuple[Any, InputProcessor, OutputP
     mm_processor = None
     architectures = getattr(model_config.hf_config, "architectures", None) or []
     if any(a in MULTIMODAL_ARCHITECTURES for a in architectures):
-        image_token_id = getattr(model_config.hf_config, "image_token_id", None)
-        if image_token_id is None:
-            image_token_id = model_config.hf_config.image_token_index
         mm_processor = MultiModalProcessor(
             model_config.model,
-            int(image_token_id),
+            image_token_id(model_config.hf_config),
             model_config.trust_remote_code,
             model_config.mm_limit("image"),
         )

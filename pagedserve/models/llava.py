@@ -22,6 +22,7 @@ from pagedserve.layers.activation import get_act_fn
 from pagedserve.layers.linear import get_weight_loader
 from pagedserve.models.clip import CLIPVisionTower, hidden_state_index
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, _param
+from pagedserve.multimodal import image_token_id
 from pagedserve.quant_config import QuantizationConfig
 
 # text_config.model_type -> the language model class
@@ -94,10 +95,7 @@ class LlavaForConditionalGeneration(nn.Module):
         self.vision_tower = CLIPVisionTower(vision_config, max(self.feature_indices))
         self.multi_modal_projector = LlavaMultiModalProjector(hf_config, len(layers))
         self.language_model = language_cls(text_config, quant_config)
-        image_token_id = getattr(hf_config, "image_token_id", None)
-        if image_token_id is None:
-            image_token_id = hf_config.image_token_index
-        self.image_token_id = int(image_token_id)
+        self.image_token_id = image_token_id(hf_config)
 
     def embed_input_ids(
         self,

@@ -12,7 +12,7 @@ from pagedserve.entrypoints.bench.results import (
     save_result,
     timestamp,
 )
-from pagedserve.entrypoints.bench.throughput import make_llm
+from pagedserve.entrypoints.bench.throughput import bench_params, make_llm
 
 PERCENTAGES = (10, 25, 50, 75, 90, 99)
 
@@ -53,7 +53,6 @@ def main(args: argparse.Namespace) -> int:
     """Run `bench latency` on parsed flags: random token prompts of --input-len, every
     request --output-len tokens (ignore_eos), --num-iters-warmup then --num-iters batches."""
     from pagedserve.errors import InvalidRequestError
-    from pagedserve.sampling_params import SamplingParams
 
     for name in ("input_len", "output_len", "batch_size", "num_iters"):
         if getattr(args, name) < 1:
@@ -66,14 +65,7 @@ def main(args: argparse.Namespace) -> int:
     ids = rng.integers(0, min(vocab, 10000), size=(args.batch_size, args.input_len)).tolist()
     prompts = [{"prompt_token_ids": row} for row in ids]
     try:
-        params = SamplingParams(
-            n=args.n,
-            temperature=1.0,
-            top_p=1.0,
-            ignore_eos=True,
-            max_tokens=args.output_len,
-            detokenize=not args.disable_detokenize,
-        )
+        params = bench_params(args, args.output_len)
 
         def run_to_completion() -> float:
             start = time.perf_counter()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pagedserve.roofline import Peaks, StepRecord, utilization
+from pagedserve.roofline import Peaks, StepRecord, run_summary, utilization
 
 INSTALL_HINT = "--plot needs matplotlib: pip install 'pagedserve[bench]' (or matplotlib)"
 
@@ -121,12 +121,7 @@ def plot_steps(
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
-    return {
-        "num_steps": len(steps),
-        "step_seconds": sum(r.seconds for r in steps),
-        "mbu": mbu,
-        "mfu": mfu,
-    }
+    return run_summary(steps, peaks)
 
 
 def plot_sweep(

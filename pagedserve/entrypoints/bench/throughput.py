@@ -59,6 +59,22 @@ def make_llm(args: argparse.Namespace, command: str) -> Any:
         raise SystemExit(f"pagedserve bench {command}: error: {e}") from None
 
 
+def bench_params(args: argparse.Namespace, max_tokens: int) -> Any:
+    """vLLM's benchmark sampling (`bench throughput` and `bench latency`): `--n` completions
+    at temperature 1 and top_p 1, `max_tokens` each whatever EOS says, detokenized unless
+    `--disable-detokenize`. Raises ValueError (InvalidRequestError) for a bad `--n`."""
+    from pagedserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n,
+        temperature=1.0,
+        top_p=1.0,
+        ignore_eos=True,
+        max_tokens=max_tokens,
+        detokenize=not args.disable_detokenize,
+    )
+
+
 def run_generate(
     llm: Any, prompts: Sequence[Any], params: Sequence[Any]
 ) -> tuple[float, list[Any]]:
@@ -103,19 +119,15 @@ def roofline_summary(llm: Any, plot: str | None, title: str) -> dict[str, Any]:
     """The run's MBU and MFU from the engine's `step_records` against the device's peaks
     (None where unknown), and with `plot` a PNG of its steps (`plots.plot_steps`)."""
     from pagedserve.entrypoints.bench.plots import plot_steps
-    from pagedserve.roofline import device_peaks, utilization
+    from pagedserve.roofline import device_peaks, run_summary
 
     engine = llm.llm_engine
     records = engine.step_records or []
     peaks = device_peaks(engine.engine_core.device_name)
     if plot:
-        summary = plot_steps(records, peaks, plot, title)
+        plot_steps(records, peaks, plot, title)
         print(f"plot saved to {plot}")
-    else:
-        mbu, mfu = utilization(records, peaks)
-        steps = sum(1 for r in records if r.num_tokens > 0)
-        summary = {"num_steps": steps, "mbu": mbu, "mfu": mfu}
-    return summary
+    return run_summary(records, peaks)
 
 
 def print_roofline(summary: dict[str, Any]) -> None:
@@ -134,7 +146,6 @@ def main(args: argparse.Namespace) -> int:
     from pagedserve.entrypoints.bench.plots import plot_path
     from pagedserve.errors import InvalidRequestError
     from pagedserve.roofline import device_peaks
-    from pagedserve.sampling_params import SamplingParams
 
     # What the summary and the plot after the run need is checked before it, so that a bad
     # --plot or PAGEDSERVE_PEAK_* does not cost the run.
@@ -162,17 +173,7 @@ def main(args: argparse.Namespace) -> int:
         {"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt for r in requests
     ]
     try:
-        params = [
-            SamplingParams(
-                n=args.n,
-                temperature=1.0,
-                top_p=1.0,
-                ignore_eos=True,
-                max_tokens=r.expected_output_len,
-                detokenize=not args.disable_detokenize,
-            )
-            for r in requests
-        ]
+        params = [bench_params(args, r.expected_output_len) for r in requests]
         llm.llm_engine.step_records = []
         elapsed, outputs = run_generate(llm, prompts, params)
     except InvalidRequestError as e:  # a flag the engine refuses (--n 0, a too long prompt)
