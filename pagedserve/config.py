@@ -4,7 +4,8 @@ Each user-facing engine option is a field declared here with `option(...)`: its 
 help text and its validation (the class's `__post_init__`) live on that field and nowhere else.
 `EngineArgs` (engine/arg_utils.py), the CLI flags and the README's option table are generated
 from these fields. Import rule: a leaf; imports nothing from pagedserve (torch only lazily, to
-check a CUDA device), and the torch-free leaf `pagedserve.quant_config`.
+check a CUDA device), and the torch-free leaves `pagedserve.quant_config` and
+`pagedserve.distributed.pp_layers`.
 """
 
 import argparse
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any
 
+from pagedserve.distributed.pp_layers import pp_partition
 from pagedserve.quant_config import QUANTIZATION_METHODS
 
 DEFAULT_MODEL = str(files("pagedserve.assets") / "stories260k")
@@ -364,20 +366,23 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How the model is spread over devices (tensor parallelism, and expert parallelism for
-    the experts of mixture-of-experts layers)."""
+    """How the model is spread over devices: tensor parallelism, pipeline parallelism (the
+    decoder layers split over stages, each stage tensor-parallel; pipeline_parallel_size x
+    tensor_parallel_size ranks in all), and expert parallelism for the experts of
+    mixture-of-experts layers."""
 
     tensor_parallel_size: int = option(
         1,
         help="number of tensor-parallel ranks (each holds a 1/size shard of every layer)",
         cli={"aliases": ["-tp"]},
     )
-    # vLLM's -pp / -dp spellings parse; sizes above 1 are refused until issue 19 builds them.
     pipeline_parallel_size: int = option(
         1,
-        help="number of pipeline stages (only 1: pipeline parallelism is not built yet)",
+        help="number of pipeline stages (each holds a contiguous slice of the decoder layers; "
+        "PAGEDSERVE_PP_LAYER_PARTITION='3,5' sets an uneven split)",
         cli={"aliases": ["-pp"]},
     )
+    # vLLM's -dp spelling parses; sizes above 1 are refused until issue 19 builds it.
     data_parallel_size: int = option(
         1,
         help="number of engine replicas (only 1: data parallelism is not built yet)",
@@ -401,26 +406,26 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size <= 0:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.data_parallel_size != 1:
             raise ValueError(
-                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+                f"data_parallel_size must be 1: data parallelism is not supported yet (got "
+                f"{self.data_parallel_size}); tensor_parallel_size and pipeline_parallel_size "
+                f"split a model over GPUs"
             )
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(
-                    f"{name} must be 1: {name.split('_')[0]} parallelism is not supported yet "
-                    f"(got {getattr(self, name)}); tensor_parallel_size splits a model over GPUs"
-                )
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS} or None, "
                 f"got {backend!r}"
             )
-        if backend == "uni" and self.tensor_parallel_size > 1:
+        if backend == "uni" and self.world_size > 1:
             raise ValueError(
-                f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size is "
-                f"{self.tensor_parallel_size}; use 'mp' or 'ray'"
+                f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size "
+                f"({self.tensor_parallel_size}) x pipeline_parallel_size "
+                f"({self.pipeline_parallel_size}) is {self.world_size}; use 'mp' or 'ray'"
             )
         if self.distributed_timeout_s <= 0:
             raise ValueError(
@@ -428,11 +433,16 @@ class ParallelConfig:
             )
 
     @property
+    def world_size(self) -> int:
+        """All the ranks: pipeline_parallel_size x tensor_parallel_size."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
     def executor_backend(self) -> str:
         """The backend in use: the one given, else "uni" for one rank and "mp" for more."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "uni" if self.tensor_parallel_size == 1 else "mp"
+        return "uni" if self.world_size == 1 else "mp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,6 +542,8 @@ class EngineConfig:
             self.parallel_config.tensor_parallel_size,
             self.parallel_config.enable_expert_parallel,
         )
+        _check_pipeline_parallel(self.model_config.hf_text_config, self.parallel_config)
+        _check_gpu_count(self.device_config.device, self.parallel_config)
         budget = self.scheduler_config.max_num_batched_tokens
         max_model_len = self.model_config.max_model_len
         if not self.scheduler_config.enable_chunked_prefill and budget < max_model_len:
@@ -566,6 +578,40 @@ def _check_tensor_parallel_size(hf_config: Any, tp_size: int) -> None:
         raise ValueError(
             f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size ({tp_size}): "
             f"one must divide the other"
+        )
+
+
+def _check_pipeline_parallel(hf_config: Any, parallel_config: "ParallelConfig") -> None:
+    """Every pipeline stage gets at least one decoder layer, and the split that
+    PAGEDSERVE_PP_LAYER_PARTITION gives (if any) fits the model: checked before any worker
+    starts. Raises ValueError naming pipeline_parallel_size and num_hidden_layers."""
+    pp_size = parallel_config.pipeline_parallel_size
+    num_layers = getattr(hf_config, "num_hidden_layers", None)
+    if pp_size == 1 or not isinstance(num_layers, int):
+        return
+    pp_partition(num_layers, pp_size)
+
+
+def _check_gpu_count(device: str, parallel_config: "ParallelConfig") -> None:
+    """On device "cuda" the ranks of this host (pipeline_parallel_size x
+    tensor_parallel_size with the 'mp' executor) need a GPU each. Raises ValueError naming
+    both sizes and the GPUs visible. ("auto" is checked by the executor, which resolves it.)"""
+    world_size = parallel_config.world_size
+    if device != "cuda" or world_size == 1 or parallel_config.executor_backend != "mp":
+        return
+    import torch
+
+    check_gpus_for_ranks(world_size, torch.cuda.device_count(), parallel_config)
+
+
+def check_gpus_for_ranks(world_size: int, num_gpus: int, parallel_config: "ParallelConfig") -> None:
+    """Raise ValueError when `world_size` ranks on one host exceed its `num_gpus` GPUs."""
+    if world_size > num_gpus:
+        raise ValueError(
+            f"pipeline_parallel_size ({parallel_config.pipeline_parallel_size}) x "
+            f"tensor_parallel_size ({parallel_config.tensor_parallel_size}) = {world_size} "
+            f"ranks need a GPU each, but only {num_gpus} are visible; lower the sizes or make "
+            f"more GPUs visible (CUDA_VISIBLE_DEVICES)"
         )
 
 

@@ -1,5 +1,7 @@
-"""Tensor parallelism's process group: `parallel_state` (init_distributed, tp_rank, tp_size,
-set once per process) and `comm` (tensor_model_parallel_all_reduce, _all_gather, _broadcast).
+"""Tensor and pipeline parallelism's process groups: `parallel_state` (init_distributed, the
+tp/pp ranks and sizes, set once per process), `comm` (the tensor-parallel collectives, the
+pipeline's send/recv between stages, the sampled tokens' broadcast) and `pp_layers` (which
+decoder layers each stage holds; torch-free, for the engine's config checks).
 
 Import rule: torch and the leaf modules only.
 """

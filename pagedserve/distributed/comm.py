@@ -1,9 +1,17 @@
-"""Collectives over the tensor-parallel group; each is the identity when tp_size == 1."""
+"""Collectives over this stage's tensor-parallel group (each the identity when tp_size == 1),
+the pipeline's point-to-point transfers between stages, and the broadcast of the sampled
+tokens from the last stage to every rank."""
 
 import torch
 import torch.distributed as dist
 
-from pagedserve.distributed.parallel_state import get_tp_size
+from pagedserve.distributed.parallel_state import (
+    get_pp_rank,
+    get_pp_size,
+    get_tp_group,
+    get_tp_rank,
+    get_tp_size,
+)
 
 
 def tensor_model_parallel_all_reduce(
@@ -12,7 +20,7 @@ def tensor_model_parallel_all_reduce(
     """Sum `x` over the tensor-parallel ranks (in place when tp_size > 1)."""
     if get_tp_size() == 1:
         return x
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=get_tp_group())
     return x
 
 
@@ -26,16 +34,55 @@ def tensor_model_parallel_all_gather(
         return x
     x = x.contiguous()
     shards = [torch.empty_like(x) for _ in range(tp_size)]
-    dist.all_gather(shards, x)
+    dist.all_gather(shards, x, group=get_tp_group())
     return torch.cat(shards, dim=dim)
 
 
 def tensor_model_parallel_broadcast(
     x: torch.Tensor,  # any shape and dtype; the same shape on every rank
     src: int = 0,
-) -> torch.Tensor:  # x, overwritten with rank `src`'s values
-    """Give every rank rank `src`'s `x` (in place)."""
-    if get_tp_size() == 1:
+) -> torch.Tensor:  # x, overwritten with tensor-parallel rank `src`'s values
+    """Give every rank of this stage this stage's tp rank `src`'s `x` (in place)."""
+    tp_size = get_tp_size()
+    if tp_size == 1:
         return x
-    dist.broadcast(x, src)
+    dist.broadcast(x, get_pp_rank() * tp_size + src, group=get_tp_group())
     return x
+
+
+def broadcast_sampled_token_ids(
+    x: torch.Tensor,  # [num_sampled] int64; the same shape on every rank
+) -> torch.Tensor:  # x, overwritten with the sampling rank's values
+    """Give every rank of every stage the tokens that the last stage's first rank sampled (in
+    place): each rank feeds them at the next step's placeholder tokens (async scheduling),
+    and random draws are not guaranteed equal across ranks. The identity on one rank."""
+    tp_size, pp_size = get_tp_size(), get_pp_size()
+    if tp_size * pp_size == 1:
+        return x
+    dist.broadcast(x, (pp_size - 1) * tp_size)
+    return x
+
+
+def pipeline_send(
+    tensors: list[torch.Tensor],  # e.g. [hidden_states, residual], each [num_tokens, hidden]
+) -> None:
+    """Send `tensors`, in order, to the same tensor-parallel rank of the next stage (vLLM's
+    `get_pp_group().send_tensor_dict`, with shapes that the receiver knows already)."""
+    dst = (get_pp_rank() + 1) * get_tp_size() + get_tp_rank()
+    for tensor in tensors:
+        dist.send(tensor.contiguous(), dst)
+
+
+def pipeline_recv(
+    shapes: list[tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:  # one tensor per shape, in `pipeline_send`'s order
+    """Receive what the same tensor-parallel rank of the previous stage `pipeline_send`s."""
+    src = (get_pp_rank() - 1) * get_tp_size() + get_tp_rank()
+    received = []
+    for shape in shapes:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src)
+        received.append(tensor)
+    return received

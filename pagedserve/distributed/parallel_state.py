@@ -1,9 +1,18 @@
-"""Tensor-parallel rank and size of this process, set once at startup (1 process = rank 0).
+"""Tensor- and pipeline-parallel rank and size of this process, set once at startup (1
+process = rank 0 of both).
 
-A worker process joins the tensor-parallel group with `init_distributed`; the layers read
-`get_tp_rank()`/`get_tp_size()` when they are built, and the collectives in `comm` use the
-default process group. The engine's own process never joins a group: with tensor
-parallelism every rank, rank 0 included, is a worker process (see `executor/`).
+A worker process joins the process groups with `init_distributed`; the layers read
+`get_tp_rank()`/`get_tp_size()` and the models `get_pp_rank()`/`get_pp_size()` when they are
+built. The world is pipeline_parallel_size x tensor_parallel_size ranks, numbered as vLLM does:
+
+    rank = pp_rank * tp_size + tp_rank        e.g. pp 2 x tp 2:  stage 0: ranks 0 1
+                                                                 stage 1: ranks 2 3
+
+The collectives in `comm` run over this stage's tensor-parallel group (`get_tp_group`: the
+default group when pp_size is 1); a stage sends its hidden states to the same tp_rank of the
+next stage (`comm.pipeline_send` / `pipeline_recv`, global ranks over the default group). The
+engine's own process never joins a group: with several ranks every rank, rank 0 included, is
+a worker process (see `executor/`).
 """
 
 import socket
@@ -12,6 +21,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 
 @dataclass(slots=True)
@@ -21,6 +31,10 @@ class _ParallelState:
     # Expert parallelism (`--enable-expert-parallel`): the MoE layers place whole experts on
     # the tensor-parallel ranks instead of splitting every expert across them.
     expert_parallel: bool = False
+    pp_rank: int = 0
+    pp_size: int = 1
+    # This stage's tensor-parallel ranks; None: the default group (pp_size 1, or no group).
+    tp_group: ProcessGroup | None = None
 
 
 _STATE = _ParallelState()
@@ -33,6 +47,37 @@ def set_tensor_parallel_state(tp_rank: int, tp_size: int, expert_parallel: bool 
         raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
     _STATE.tp_rank, _STATE.tp_size = tp_rank, tp_size
     _STATE.expert_parallel = expert_parallel
+
+
+def set_pipeline_parallel_state(pp_rank: int, pp_size: int) -> None:
+    """Record this process's pipeline stage (0 .. pp_size - 1); called once by the worker at
+    startup (and by tests building one stage's model in-process)."""
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} out of range for pp_size {pp_size}")
+    _STATE.pp_rank, _STATE.pp_size = pp_rank, pp_size
+
+
+def get_pp_rank() -> int:
+    """This process's pipeline stage (0: owns the embeddings; pp_size - 1: the final norm,
+    the LM head and sampling)."""
+    return _STATE.pp_rank
+
+
+def get_pp_size() -> int:
+    return _STATE.pp_size
+
+
+def is_first_pp_rank() -> bool:
+    return _STATE.pp_rank == 0
+
+
+def is_last_pp_rank() -> bool:
+    return _STATE.pp_rank == _STATE.pp_size - 1
+
+
+def get_tp_group() -> ProcessGroup | None:
+    """This stage's tensor-parallel process group (None: the default group)."""
+    return _STATE.tp_group
 
 
 def get_tp_rank() -> int:
@@ -50,14 +95,16 @@ def get_expert_parallel() -> bool:
 
 
 def init_distributed(
-    tp_rank: int,
+    rank: int,
     tp_size: int,
     init_method: str,
     device: torch.device,
     timeout_s: float,
     expert_parallel: bool = False,
+    pp_size: int = 1,
 ) -> None:
-    """Join the tensor-parallel group (the default process group) as `tp_rank`.
+    """Join the world of pp_size x tp_size ranks (the default process group) as global
+    `rank` (= pp_rank * tp_size + tp_rank), and this stage's tensor-parallel group.
 
     init_method: "tcp://HOST:PORT" of rank 0's rendezvous store.
     device: this rank's device; NCCL on a GPU, gloo on the CPU.
@@ -65,20 +112,37 @@ def init_distributed(
         before raising (gloo) or aborting the process (NCCL's watchdog): a dead or stuck
         peer never hangs this rank forever.
     expert_parallel: MoE layers place whole experts on the ranks (`get_expert_parallel`).
+    pp_size: pipeline stages; every stage has tp_size ranks.
+    Raises ValueError for a rank outside the world.
     """
-    set_tensor_parallel_state(tp_rank, tp_size, expert_parallel)
-    if tp_size == 1:
+    world_size = tp_size * pp_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for a world of {world_size} ranks")
+    set_tensor_parallel_state(rank % tp_size, tp_size, expert_parallel)
+    set_pipeline_parallel_state(rank // tp_size, pp_size)
+    if world_size == 1:
         return  # no collectives: comm's functions are the identity
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo",
+        backend=backend,
         init_method=init_method,
-        rank=tp_rank,
-        world_size=tp_size,
-        timeout=timedelta(seconds=timeout_s),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
     )
+    if pp_size > 1 and tp_size > 1:
+        # Every rank creates every stage's group, in the same order (new_group's contract).
+        for stage in range(pp_size):
+            ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if stage == rank // tp_size:
+                _STATE.tp_group = group
     # One all-reduce now: NCCL builds its communicator lazily, on the first collective, which
     # must not be inside a CUDA graph capture; and a broken link fails at startup, not mid-step.
     dist.all_reduce(torch.ones(1, device=device))
+    if _STATE.tp_group is not None:
+        dist.all_reduce(torch.ones(1, device=device), group=_STATE.tp_group)
 
 
 def destroy_distributed() -> None:
@@ -86,6 +150,8 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     set_tensor_parallel_state(0, 1)
+    set_pipeline_parallel_state(0, 1)
+    _STATE.tp_group = None
 
 
 def get_ip() -> str:

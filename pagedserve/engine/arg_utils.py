@@ -249,7 +249,13 @@ class EngineArgs:
         # Imported here: importing the API server must load no model code (registry included).
         from pagedserve.models.registry import check_model_impl
 
-        check_model_impl(hf_config, self.model_impl, self.tensor_parallel_size, quantization)
+        check_model_impl(
+            hf_config,
+            self.model_impl,
+            self.tensor_parallel_size,
+            quantization,
+            self.pipeline_parallel_size,
+        )
         config: ModelConfig = self._build(
             ModelConfig,
             model=model,

@@ -1,15 +1,18 @@
 """The Executor protocol, and what the multi-rank executors share (`RankGroupExecutor`).
 
 An executor is where the workers live: in this process (`UniprocExecutor`), one process per
-tensor-parallel rank (`MultiprocExecutor`) or one Ray actor per rank (`RayExecutor`). Each
-offers EngineCore, which never knows how many ranks there are, the same calls:
+rank (`MultiprocExecutor`) or one Ray actor per rank (`RayExecutor`); the ranks are
+pipeline_parallel_size stages of tensor_parallel_size ranks each. Each offers EngineCore,
+which never knows how many ranks there are, the same calls:
 
-    determine_num_blocks()  KV blocks every rank can hold (the minimum over the ranks)
+    determine_num_blocks()  KV blocks every rank can hold (the minimum over the ranks: each
+                            pipeline stage sizes the cache of its own layers)
     block_bytes             bytes of one KV block on one rank
     kv_sliding_window()     the sliding window every attention layer uses, else None (the
                             KV cache manager then frees blocks that leave the window)
     initialize_cache(n)     allocate n blocks on every rank
-    execute_model(step)     run one SchedulerOutput on every rank; rank 0's sampled tokens
+    execute_model(step)     run one SchedulerOutput on every rank; the sampled tokens of the
+                            output rank (the last stage's first; `worker.output_rank`)
     execute_model_async(step)  the same, returning before the device is done: the next step
                             may be launched first (async scheduling)
     shutdown()              stop the workers (idempotent)
@@ -49,10 +52,12 @@ STARTUP_TIMEOUT_S = 1800.0  # loading and (GPU) profiling a large checkpoint fro
 
 class RankGroupExecutor(ABC):
     """What the multi-rank executors (processes, Ray actors) share: every call runs on every
-    rank; rank 0's answer is the step's output. Subclasses say how a call reaches the ranks."""
+    rank; the output rank's answer is the step's output. Subclasses say how a call reaches the
+    ranks, and set `output_rank` (`worker.output_rank`)."""
 
     timeout_s: float
     device_type: str  # of the ranks' devices
+    output_rank: int = 0  # the rank that samples: the first of the last pipeline stage
     # Async scheduling: the output of the step launched last, which the ranks send back with
     # the reply to the next launch (or to "finish_pending").
     _unanswered: "_RankGroupOutput | None" = None
@@ -68,21 +73,21 @@ class RankGroupExecutor(ABC):
         return min(num_blocks)
 
     def kv_sliding_window(self) -> int | None:
-        """The sliding window every attention layer uses, else None (the same on every rank:
-        rank 0's)."""
+        """The sliding window every attention layer uses, else None (pipeline stages hold
+        different layers: one window only when every stage reports the same)."""
         windows: list[int | None] = self._call("kv_sliding_window", timeout_s=self.timeout_s)
-        return windows[0]
+        return windows[0] if len(set(windows)) == 1 else None
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` KV blocks on every rank (then graphs and warm-up)."""
         self._call("initialize_cache", num_blocks, timeout_s=STARTUP_TIMEOUT_S)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank and wait; rank 0's sampled tokens (every rank samples the
-        same ones). Raises EngineDeadError as `_call`."""
+        """Run one step on every rank and wait; the output rank's sampled tokens (every rank
+        feeds the same ones). Raises EngineDeadError as `_call`."""
         output: ModelRunnerOutput = self._call(
             "execute_model", scheduler_output, timeout_s=self.timeout_s
-        )[0]
+        )[self.output_rank]
         return output
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
@@ -91,7 +96,7 @@ class RankGroupExecutor(ABC):
         which goes to that step's handle."""
         previous: ModelRunnerOutput | None = self._call(
             "execute_model_pipelined", scheduler_output, timeout_s=self.timeout_s
-        )[0]
+        )[self.output_rank]
         if self._unanswered is not None:
             assert previous is not None
             self._unanswered.set(previous)
@@ -100,7 +105,9 @@ class RankGroupExecutor(ABC):
 
     def finish_pending(self) -> None:
         """Collect the output of the step launched last (no later launch will carry it)."""
-        output: ModelRunnerOutput | None = self._call("finish_pending", timeout_s=self.timeout_s)[0]
+        output: ModelRunnerOutput | None = self._call("finish_pending", timeout_s=self.timeout_s)[
+            self.output_rank
+        ]
         if self._unanswered is not None:
             assert output is not None
             self._unanswered.set(output)

@@ -1,10 +1,15 @@
-"""MultiprocExecutor: one worker process per tensor-parallel rank, driven over pipes.
+"""MultiprocExecutor: one worker process per rank, driven over pipes.
 
-    engine process (scheduler; no model)        worker process of rank r (r = 0 .. tp_size-1)
-    ------------------------------------        ----------------------------------------------
+    engine process (scheduler; no model)        worker process of rank r (r = 0 .. world-1,
+    ------------------------------------        world = pp_size x tp_size) ---------------
     pickle (method, args) once, send to every  ──▶ Worker.<method>(*args) ◀─ gloo/NCCL ─▶ peers
-    rank; wait for all replies, a worker's exit ◀── ("ok", result): rank 0's step output, None
-    (its sentinel) or the timeout                   from the others; or ("error", traceback)
+    rank; wait for all replies, a worker's exit ◀── ("ok", result): the output rank's step
+    (its sentinel) or the timeout                   output, None from the others; or
+                                                    ("error", traceback)
+
+Rank r is tensor-parallel rank r % tp_size of pipeline stage r // tp_size; the output rank is
+the last stage's first (`worker.output_rank`). Pipeline stages pass hidden states between
+them themselves (`worker.pp_stage`); the executor sends every rank the same calls.
 
 Every rank, rank 0 included, is a worker process, so the engine's process never joins a
 process group (several engines, of any tp_size, can live in one process) and a dead rank 0
@@ -42,13 +47,13 @@ from typing import Any
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, check_gpus_for_ranks
 from pagedserve.distributed.parallel_state import get_open_port
 from pagedserve.errors import EngineDeadError
 from pagedserve.executor.base import STARTUP_TIMEOUT_S, RankGroupExecutor
 from pagedserve.process_start import check_not_importing_main, main_not_reimported
 from pagedserve.worker.runner_setup import resolve_device
-from pagedserve.worker.worker import Worker
+from pagedserve.worker.worker import Worker, output_rank
 
 logger = logging.getLogger(__name__)
 
@@ -78,18 +83,23 @@ class MultiprocExecutor(RankGroupExecutor):
         self.timeout_s = parallel_config.distributed_timeout_s
         self.dead_reason: str | None = None
         self.device_type = resolve_device(config.device_config.device).type
+        world_size = parallel_config.world_size
+        if self.device_type == "cuda" and config.device_config.device in ("auto", "cuda"):
+            check_gpus_for_ranks(world_size, torch.cuda.device_count(), parallel_config)
+        self.output_rank = output_rank(config)
+        tp_size = parallel_config.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         context = _start_context(config)
         # Never written: its reader sees EOF when the engine's process ends.
         engine_alive_reader, self._engine_alive = context.Pipe(duplex=False)
         self.workers: list[_WorkerProcess] = []
         self._finalizer = weakref.finalize(self, stop_workers, self.workers, self._engine_alive)
-        for rank in range(parallel_config.tensor_parallel_size):
+        for rank in range(world_size):
             conn, child_conn = context.Pipe()
             process = context.Process(
                 target=run_worker,
                 args=(config, rank, init_method, child_conn, engine_alive_reader),
-                name=f"PagedServeWorker-TP{rank}",
+                name=f"PagedServeWorker-{_rank_name(rank, tp_size, world_size)}",
                 daemon=True,  # also terminated by multiprocessing at interpreter exit
             )
             with main_not_reimported():  # a script without a main guard works too
@@ -98,11 +108,16 @@ class MultiprocExecutor(RankGroupExecutor):
             self.workers.append(_WorkerProcess(rank, process, conn))
         engine_alive_reader.close()
         try:
-            self._block_bytes: int = self._collect("start", STARTUP_TIMEOUT_S)[0]
+            # Pipeline stages may hold different numbers of layers: the largest block.
+            self._block_bytes: int = max(self._collect("start", STARTUP_TIMEOUT_S))
         except EngineDeadError as e:  # a worker failed to start: raise its own error if any
             raise e.__cause__ or e  # noqa: B904 (the cause carries the worker's traceback)
         logger.info(
-            "started %d tensor-parallel workers (pids %s)", len(self.workers), self.worker_pids
+            "started %d workers (pipeline_parallel_size %d x tensor_parallel_size %d; pids %s)",
+            len(self.workers),
+            parallel_config.pipeline_parallel_size,
+            tp_size,
+            self.worker_pids,
         )
 
     @property
@@ -112,7 +127,7 @@ class MultiprocExecutor(RankGroupExecutor):
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block on one rank (as every rank reported at start-up)."""
+        """Bytes of one KV block on one rank (the most any rank reported at start-up)."""
         return self._block_bytes
 
     def shutdown(self) -> None:
@@ -143,7 +158,7 @@ class MultiprocExecutor(RankGroupExecutor):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._fail(
-                    f"tensor-parallel worker rank(s) {[w.rank for w in waiting]} did not answer "
+                    f"worker rank(s) {[w.rank for w in waiting]} did not answer "
                     f"{what} within {timeout_s:g} s (distributed_timeout_s)"
                 )
             handles = [w.conn for w in waiting] + [w.process.sentinel for w in self.workers]
@@ -157,7 +172,7 @@ class MultiprocExecutor(RankGroupExecutor):
                 except (EOFError, OSError):
                     raise self._fail(self._death_note(worker)) from None
                 if status == "error":
-                    reason = f"tensor-parallel worker rank {worker.rank} failed in {what}"
+                    reason = f"worker rank {worker.rank} failed in {what}"
                     # Often because a peer died mid-collective: name that death, the cause.
                     dead = self._dead_peer(worker)
                     if dead is not None:
@@ -196,7 +211,7 @@ class MultiprocExecutor(RankGroupExecutor):
             if code < 0
             else f"exit code {code}"
         )
-        return f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) died ({how})"
+        return f"worker rank {worker.rank} (pid {worker.process.pid}) died ({how})"
 
 
 def _start_context(config: EngineConfig) -> Any:
@@ -254,9 +269,11 @@ def run_worker(
     engine_alive: connection.Connection,
 ) -> None:
     """Main of a worker process: start the rank, then serve calls until told to stop."""
+    parallel_config = config.parallel_config
+    name = _rank_name(rank, parallel_config.tensor_parallel_size, parallel_config.world_size)
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(levelname)s (Worker TP{rank}) %(name)s: %(message)s",
+        format=f"%(levelname)s (Worker {name}) %(name)s: %(message)s",
     )
     # Ctrl-C or a SIGTERM to the process group reaches the engine too, which stops us; we
     # also exit when it is gone (_exit_with_engine).
@@ -282,6 +299,14 @@ def run_worker(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # the group is left and nothing is buffered: skip torch's slow teardown
+
+
+def _rank_name(rank: int, tp_size: int, world_size: int) -> str:
+    """The rank's name in process names and logs: TP1 without pipeline parallelism, else
+    PP1_TP0 (its stage, then its tensor-parallel rank)."""
+    if world_size == tp_size:
+        return f"TP{rank}"
+    return f"PP{rank // tp_size}_TP{rank % tp_size}"
 
 
 def _send_error(conn: connection.Connection, error: BaseException) -> None:

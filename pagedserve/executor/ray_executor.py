@@ -1,11 +1,15 @@
-"""RayExecutor: one Ray actor per tensor-parallel rank, placed on a Ray cluster's nodes.
+"""RayExecutor: one Ray actor per rank, placed on a Ray cluster's nodes.
 
     engine process (Ray driver)                   RayWorker actor of rank r, any node
     ---------------------------                   -----------------------------------
-    placement group: tp_size bundles              Worker(config, r, ...): joins the group at
+    placement group: pp_size x tp_size bundles    Worker(config, r, ...): joins the group at
       {"GPU": 1, "CPU": 1} (CPU-only: {"CPU": 1})   tcp://<rank 0's node>:<port>, loads its shard
     actor.call.remote(method, *args) on every  ──▶ Worker.<method>(*args) ◀─ NCCL/gloo ─▶ peers
-    rank, ray.get(all, timeout)                ◀── rank 0's step output (None from the others)
+    rank, ray.get(all, timeout)                ◀── the output rank's step output (None from
+                                                    the others; `worker.output_rank`)
+
+Rank r is tensor-parallel rank r % tp_size of pipeline stage r // tp_size, as with the 'mp'
+executor; the stages pass hidden states between them themselves (`worker.pp_stage`).
 
 The engine joins the Ray cluster that is already running (`ray start --head`, then `ray start
 --address=HEAD:6379` on every other node; or RAY_ADDRESS), else starts a local one. Bundles are
@@ -24,7 +28,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import get_ip, get_open_port
 from pagedserve.errors import EngineDeadError
 from pagedserve.executor.base import STARTUP_TIMEOUT_S, RankGroupExecutor
-from pagedserve.worker.worker import Worker
+from pagedserve.worker.worker import Worker, output_rank
 
 logger = logging.getLogger(__name__)
 
@@ -70,24 +74,26 @@ class RayExecutor(RankGroupExecutor):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init()  # joins the cluster of `ray start` / RAY_ADDRESS, else starts one
-        tp_size = config.parallel_config.tensor_parallel_size
+        world_size = config.parallel_config.world_size
+        self.output_rank = output_rank(config)
         self.timeout_s = config.parallel_config.distributed_timeout_s
         self.dead_reason: str | None = None
         self.actors: list[Any] = []
         bundle = self._bundle(ray, config.device_config.device)
         self.device_type = "cuda" if "GPU" in bundle else "cpu"
-        self.placement_group = placement_group([dict(bundle)] * tp_size, strategy="PACK")
+        self.placement_group = placement_group([dict(bundle)] * world_size, strategy="PACK")
         try:
             ray.get(self.placement_group.ready(), timeout=_PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
             raise ValueError(
-                f"Ray cannot place {tp_size} workers of {bundle} each within "
+                f"Ray cannot place {world_size} workers of {bundle} each within "
                 f"{_PLACEMENT_TIMEOUT_S:g} s; the cluster has {ray.cluster_resources()}. Add "
-                f"nodes (`ray start --address=HEAD:6379`) or lower tensor_parallel_size"
+                f"nodes (`ray start --address=HEAD:6379`) or lower tensor_parallel_size or "
+                f"pipeline_parallel_size"
             ) from None
         actor_class = ray.remote(RayWorker)
-        for rank in range(tp_size):
+        for rank in range(world_size):
             strategy = PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=rank
             )
@@ -104,11 +110,12 @@ class RayExecutor(RankGroupExecutor):
                 actor.start.remote(config, rank, f"tcp://{host}:{port}")
                 for rank, actor in enumerate(self.actors)
             ]
-            self._block_bytes: int = _get_all(ray, starts, STARTUP_TIMEOUT_S)[0]
+            # Pipeline stages may hold different numbers of layers: the largest block.
+            self._block_bytes: int = max(_get_all(ray, starts, STARTUP_TIMEOUT_S))
         except BaseException:
             self.shutdown()
             raise  # a RayTaskError is also an instance of the worker's exception class
-        logger.info("started %d tensor-parallel Ray workers", tp_size)
+        logger.info("started %d Ray workers", world_size)
 
     @staticmethod
     def _bundle(ray: Any, device: str) -> dict[str, float]:
@@ -121,7 +128,7 @@ class RayExecutor(RankGroupExecutor):
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one KV block on one rank (as every rank reported at start-up)."""
+        """Bytes of one KV block on one rank (the most any rank reported at start-up)."""
         return self._block_bytes
 
     def worker_pids(self) -> list[int]:
@@ -139,13 +146,13 @@ class RayExecutor(RankGroupExecutor):
             replies = _get_all(ray, refs, timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise self._fail(
-                f"a tensor-parallel Ray worker did not answer {method} within {timeout_s:g} s "
+                f"a Ray worker did not answer {method} within {timeout_s:g} s "
                 f"(distributed_timeout_s)"
             ) from None
         except ray.exceptions.RayActorError as e:
-            raise self._fail(f"a tensor-parallel Ray worker died: {e}") from e
+            raise self._fail(f"a Ray worker died: {e}") from e
         except ray.exceptions.RayTaskError as e:
-            raise self._fail(f"a tensor-parallel Ray worker failed in {method}") from e
+            raise self._fail(f"a Ray worker failed in {method}") from e
         return replies
 
     def _fail(self, reason: str) -> EngineDeadError:

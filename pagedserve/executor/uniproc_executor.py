@@ -1,4 +1,5 @@
-"""UniprocExecutor: one rank, a Worker in the engine's own process (tensor_parallel_size 1)."""
+"""UniprocExecutor: one rank, a Worker in the engine's own process (tensor_parallel_size and
+pipeline_parallel_size 1)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -18,13 +19,13 @@ from pagedserve.worker.worker import Worker
 class UniprocExecutor:
     """Hosts one Worker in this process. The Worker joins no process group and leaves the
     process's device and thread settings alone: the process is the user's, and may hold other
-    engines. Raises ValueError for tensor_parallel_size > 1."""
+    engines. Raises ValueError for tensor_parallel_size or pipeline_parallel_size > 1."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.parallel_config.tensor_parallel_size != 1:
+        if config.parallel_config.world_size != 1:
             raise ValueError(
                 "UniprocExecutor runs one rank; use distributed_executor_backend 'mp' or 'ray' "
-                "for tensor_parallel_size > 1"
+                "for tensor_parallel_size or pipeline_parallel_size > 1"
             )
         self.worker = Worker(config)
         self.device_type = self.worker.device.type

@@ -180,6 +180,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     attention_cls: ClassVar[type[LlamaAttention]] = Gemma2Attention
     model_cls: ClassVar[type[Gemma2Model]] = Gemma2Model
+    supports_pp: ClassVar[bool] = False  # Gemma2Model builds every layer
 
     def build_model(self, hf_config: Any, quant_config: QuantizationConfig | None) -> nn.Module:
         return self.model_cls(hf_config, self.attention_cls, quant_config)

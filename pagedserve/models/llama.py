@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.activation import get_gated_act_fn
 from pagedserve.layers.attention import Attention
@@ -20,6 +21,12 @@ from pagedserve.layers.linear import (
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding, get_rope
 from pagedserve.models.kv_scales import load_kv_scale
+from pagedserve.models.pp_utils import (
+    IntermediateTensors,
+    PPMissingLayer,
+    make_layers,
+    missing_prefixes,
+)
 from pagedserve.quant_config import QuantizationConfig
 
 
@@ -202,7 +209,10 @@ def pre_norm_attention(
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix). `build_mlp(i)`, when
-    given, builds layer i's feed-forward block (mixture-of-experts models)."""
+    given, builds layer i's feed-forward block (mixture-of-experts models).
+
+    Under pipeline parallelism this stage builds only layers [start_layer, end_layer); the
+    first stage alone the embedding, the last alone the final norm (`pp_utils`)."""
 
     def __init__(
         self,
@@ -212,22 +222,32 @@ class LlamaModel(nn.Module):
         build_mlp: Callable[[int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens: nn.Module = (
+            VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+            if is_first_pp_rank()
+            else PPMissingLayer()
+        )
         rotary_emb = get_rope(hf_config, get_head_dim(hf_config))
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            hf_config.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(
                 hf_config,
                 rotary_emb,
                 attention_cls,
                 quant_config,
                 None if build_mlp is None else build_mlp(i),
-            )
-            for i in range(hf_config.num_hidden_layers)
+            ),
         )
-        for layer, window in zip(self.layers, layer_sliding_windows(hf_config), strict=True):
-            attn: Attention = layer.self_attn.attn  # type: ignore[union-attr,assignment]
-            attn.sliding_window = window
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        windows = layer_sliding_windows(hf_config)
+        for i in range(self.start_layer, self.end_layer):
+            attn: Attention = self.layers[i].self_attn.attn  # type: ignore[union-attr,assignment]
+            attn.sliding_window = windows[i]
+        self.is_last_stage = is_last_pp_rank()
+        self.norm: nn.Module = (
+            RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+            if self.is_last_stage
+            else PPMissingLayer()
+        )
 
     def forward(
         self,
@@ -235,13 +255,24 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         attn_metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] float
-    ) -> torch.Tensor:  # [num_tokens, hidden_size] float
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:  # [num_tokens, hidden_size] float
         """`inputs_embeds`, when given, replaces `embed_tokens(input_ids)` (a multimodal
-        model's prompt embeddings with its images' put in; CUDA graphs never pass it)."""
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer in self.layers:
+        model's prompt embeddings with its images' put in; CUDA graphs never pass it).
+        `intermediate_tensors`: the previous pipeline stage's output, which a stage other
+        than the first starts from (its `input_ids` unused). Returns the final-normed hidden
+        states on the last stage, else this stage's IntermediateTensors for the next."""
+        if intermediate_tensors is not None:
+            hidden_states = intermediate_tensors.hidden_states
+            residual: torch.Tensor | None = intermediate_tensors.residual
+        else:
+            hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        assert residual is not None  # every stage has at least one layer
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden_states, residual)
         normed: torch.Tensor = self.norm(hidden_states, residual)[0]
         return normed
 
@@ -256,6 +287,9 @@ class LlamaForCausalLM(nn.Module):
 
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
     supports_quantization: ClassVar[bool] = True  # takes a quant_config for its linears
+    # Builds only its pipeline stage's layers (`LlamaModel`); subclasses that build another
+    # `self.model` or load weights their own way say False (vLLM's SupportsPP).
+    supports_pp: ClassVar[bool] = True
     # (our parameter name part, checkpoint name part, shard id)
     stacked_params_mapping: ClassVar[tuple[tuple[str, str, str | int], ...]] = (
         (".qkv_proj", ".q_proj", "q"),
@@ -269,9 +303,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.model = self.build_model(hf_config, quant_config)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.lm_head: ParallelLMHead | PPMissingLayer = (
+            ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+            if is_last_pp_rank()
+            else PPMissingLayer()
+        )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        # Tied on one stage: one tensor. The last of several stages has its own LM head,
+        # loaded from the checkpoint's embedding (`load_weights`).
+        if self.tie_word_embeddings and is_first_pp_rank() and is_last_pp_rank():
             self.lm_head.weight = self.get_parameter("model.embed_tokens.weight")
 
     def build_model(self, hf_config: Any, quant_config: QuantizationConfig | None) -> nn.Module:
@@ -284,33 +324,47 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         attn_metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden_size] float
-    ) -> torch.Tensor:  # [num_tokens, hidden_size] float, final norm applied
-        """`inputs_embeds`: see LlamaModel.forward (passed only when given, so that models
-        built on other `self.model` classes need not take it)."""
-        if inputs_embeds is None:
-            hidden_states: torch.Tensor = self.model(input_ids, positions, attn_metadata)
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:  # [num_tokens, hidden_size] float, final norm
+        """`inputs_embeds`, `intermediate_tensors`: see LlamaModel.forward (passed only when
+        given, so that models built on other `self.model` classes need not take them).
+        Returns IntermediateTensors on a pipeline stage other than the last."""
+        if intermediate_tensors is not None:
+            out: torch.Tensor | IntermediateTensors = self.model(
+                input_ids, positions, attn_metadata, intermediate_tensors=intermediate_tensors
+            )
+        elif inputs_embeds is None:
+            out = self.model(input_ids, positions, attn_metadata)
         else:
-            hidden_states = self.model(input_ids, positions, attn_metadata, inputs_embeds)
-        return hidden_states
+            out = self.model(input_ids, positions, attn_metadata, inputs_embeds)
+        return out
 
     def compute_logits(
         self,
         hidden_states: torch.Tensor,  # [num_tokens, hidden_size] float
     ) -> torch.Tensor:  # [num_tokens, vocab_size] float32
+        assert isinstance(self.lm_head, ParallelLMHead)  # the last pipeline stage's
         return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named checkpoint tensors; returns the names of our parameters loaded."""
+        """Load HF-named checkpoint tensors; returns the names of our parameters loaded.
+        A pipeline stage skips the tensors of the modules other stages hold."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        missing = missing_prefixes(self)  # () on one stage
+        embed_missing = "model.embed_tokens." in missing
         for checkpoint_name, tensor in weights:
             if "rotary_emb.inv_freq" in checkpoint_name:
                 continue  # a buffer some old checkpoints saved; we recompute it
+            name = checkpoint_name
+            if self.tie_word_embeddings and name == "lm_head.weight" and not embed_missing:
+                name = "model.embed_tokens.weight"  # the same tensor when tied
+            elif self.tie_word_embeddings and name == "model.embed_tokens.weight" and embed_missing:
+                name = "lm_head.weight"  # the last stage's own copy of the tied tensor
+            if name.startswith(missing):
+                continue  # another pipeline stage's
             if load_kv_scale(self, checkpoint_name, tensor):
                 continue  # the fp8 KV cache's k_scale / v_scale: buffers, not parameters
-            name = checkpoint_name
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                name = "model.embed_tokens.weight"  # the same tensor when tied
             for param_part, checkpoint_part, shard_id in self.stacked_params_mapping:
                 if checkpoint_part in name:
                     name = name.replace(checkpoint_part, param_part)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.config import LOAD_FORMATS
-from pagedserve.distributed.parallel_state import get_tp_rank, get_tp_size
+from pagedserve.distributed.parallel_state import get_pp_size, get_tp_rank, get_tp_size
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.norm import RMSNorm
@@ -54,12 +54,20 @@ def load_model(
     weights, or a checkpoint that leaves parameters unloaded; NotImplementedError for a
     quantized checkpoint of an architecture that does not support quantization.
     `model_impl` picks native code or the transformers backend (`registry.resolve_model_impl`).
+    Under pipeline parallelism (`get_pp_size() > 1`) the model builds and loads only this
+    stage's layers; NotImplementedError for a class without `supports_pp`.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_cls = get_model_class(
         list(getattr(hf_config, "architectures", None) or []), model_impl, hf_config
     )
+    if get_pp_size() > 1 and not getattr(model_cls, "supports_pp", False):
+        raise NotImplementedError(
+            f"pipeline parallelism (pipeline_parallel_size={get_pp_size()}) is not supported "
+            f"for {model_cls.__name__} yet; it runs the Llama family (Llama, Mistral), Qwen2 "
+            f"and Qwen3 natively"
+        )
     quant_config = None
     if quantization is not None:
         if not getattr(model_cls, "supports_quantization", False):
@@ -78,7 +86,9 @@ def load_model(
         if load_format == "dummy":
             initialize_dummy_weights(model)
         else:
-            sharded = get_tp_size() > 1
+            # A rank reads only its shard (tensor parallelism) and skips other stages'
+            # tensors unread (pipeline parallelism): lazy slices.
+            sharded = get_tp_size() > 1 or get_pp_size() > 1
             weights = iterate_safetensor_slices(files) if sharded else iterate_safetensors(files)
             loaded = _load_naming_tensor(cast(_LoadsWeights, model), weights, model_path)
             _check_all_loaded(model, loaded, model_path)

@@ -92,6 +92,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     # MoE layers take no quantization method yet: a quantized checkpoint is refused
     # (registry.check_model_impl names the method) rather than loaded wrongly.
     supports_quantization: ClassVar[bool] = False
+    supports_pp: ClassVar[bool] = False  # the expert loader expects every layer
     # (checkpoint name part, ours) renamings applied before anything else.
     checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
 

@@ -55,6 +55,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     attention_cls: ClassVar[type[LlamaAttention]] = Phi3Attention
     # Quantized Phi-3 checkpoints pack the fused tensors along other dims: not handled yet.
     supports_quantization: ClassVar[bool] = False
+    supports_pp: ClassVar[bool] = False  # not tested split over pipeline stages yet
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._split_fused(weights))

@@ -37,6 +37,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
 # Native architectures whose layers take no quantization method yet: the mixture-of-experts
 # models (their FusedMoE experts have no quantized weights or kernels).
 _UNQUANTIZED_ONLY = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+# Native architectures that split their decoder layers over pipeline stages (the Llama
+# family's `LlamaModel`); vLLM's SupportsPP.
+PIPELINE_PARALLEL_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
 # Multimodal architectures (the language model's config in `text_config`) that our native
 # code runs; the transformers backend runs none.
 MULTIMODAL_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
@@ -72,7 +77,11 @@ def resolve_model_impl(architectures: list[str], model_impl: str, hf_config: Any
 
 
 def check_model_impl(
-    hf_config: Any, model_impl: str, tensor_parallel_size: int = 1, quantization: str | None = None
+    hf_config: Any,
+    model_impl: str,
+    tensor_parallel_size: int = 1,
+    quantization: str | None = None,
+    pipeline_parallel_size: int = 1,
 ) -> str:
     """`resolve_model_impl` for a config, checked against the engine options before any worker
     starts: the transformers backend runs unquantized weights only, and on several ranks only
@@ -82,7 +91,8 @@ def check_model_impl(
     `resolve_model_impl`, and for a multimodal config (its language model in `text_config`);
     ValueError for tensor_parallel_size > 1 without a TP plan or a quantization method with
     the transformers backend (each naming the option and the way out); NotImplementedError
-    for a quantization method with a native mixture-of-experts model (naming the method).
+    for a quantization method with a native mixture-of-experts model (naming the method), and
+    for pipeline_parallel_size > 1 with a model outside PIPELINE_PARALLEL_ARCHITECTURES.
     A multimodal config runs natively when its architecture is in MULTIMODAL_ARCHITECTURES
     (LLaVA), with model_impl other than "transformers".
     """
@@ -108,6 +118,15 @@ def check_model_impl(
             f"{native} with quantization {quantization!r} is not supported yet: the "
             f"mixture-of-experts layers run unquantized (bf16/fp16/fp32) weights only; use an "
             f"unquantized checkpoint"
+        )
+    if pipeline_parallel_size > 1 and (
+        impl == "transformers" or native not in PIPELINE_PARALLEL_ARCHITECTURES
+    ):
+        runs = "the transformers backend" if impl == "transformers" else native
+        raise NotImplementedError(
+            f"pipeline parallelism (pipeline_parallel_size={pipeline_parallel_size}) is not "
+            f"supported for {architectures} ({runs}) yet; supported natively: "
+            f"{', '.join(sorted(PIPELINE_PARALLEL_ARCHITECTURES))}"
         )
     if impl == "transformers":
         from pagedserve.models.transformers_backend.support import check_transformers_options

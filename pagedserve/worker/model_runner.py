@@ -12,9 +12,11 @@ import torch
 
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.config import EngineConfig
-from pagedserve.distributed.comm import tensor_model_parallel_broadcast
+from pagedserve.distributed.comm import broadcast_sampled_token_ids
+from pagedserve.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
 from pagedserve.layers.attention import Attention
 from pagedserve.messages import PromptLogprobsData, SampleLogprobsData
+from pagedserve.models.pp_utils import IntermediateTensors
 from pagedserve.step import (
     AsyncModelRunnerOutput,
     GrammarOutput,
@@ -26,6 +28,7 @@ from pagedserve.worker.cuda_graph import CudaGraphRunner
 from pagedserve.worker.encoder_cache import build_inputs_embeds
 from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.worker.input_batch import CachedRequestState, ModelInput, build_model_input
+from pagedserve.worker.pp_stage import finish_inner_stage, receive_intermediate
 from pagedserve.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from pagedserve.worker.sampling_metadata import SamplingMetadata, SamplingStateManager
 
@@ -69,6 +72,9 @@ class ModelRunner:
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
         self.backend = get_attention_backend(config.device_config.attention_backend, self.device)
+        # Pipeline parallelism: this rank's stage (`pp_stage`); both True on one stage.
+        self.is_first_stage = is_first_pp_rank()
+        self.is_last_stage = is_last_pp_rank()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled tokens."""
@@ -112,6 +118,8 @@ class ModelRunner:
                 model_input.input_ids,
                 attn_metadata.query_start_loc_cpu.tolist(),
             )
+        if not (self.is_first_stage and self.is_last_stage):
+            return self._run_stage(model_input, scheduler_output, started)
         if inputs_embeds is not None:  # a step that feeds image tokens (a prefill)
             hidden_states = self.model(
                 model_input.input_ids,
@@ -127,6 +135,16 @@ class ModelRunner:
             )
         else:
             hidden_states = self.model(model_input.input_ids, model_input.positions, attn_metadata)
+        return self._finish_forward(hidden_states, scheduler_output, model_input, started)
+
+    def _finish_forward(
+        self,
+        hidden_states: torch.Tensor,  # [num_tokens, hidden_size], final norm applied
+        scheduler_output: SchedulerOutput,
+        model_input: ModelInput,
+        started: "torch.cuda.Event | None",
+    ) -> "PendingSample | AsyncModelRunnerOutput":
+        """The prompt logprobs and the logits of the sampled rows (on the last stage)."""
         prompt_logprobs = self._prompt_logprobs(hidden_states, scheduler_output, model_input)
         if not model_input.sampled_request_ids:  # prompt chunks only
             output = ModelRunnerOutput([], [], [], prompt_logprobs)
@@ -136,6 +154,40 @@ class ModelRunner:
             return AsyncModelRunnerOutput(None, lambda: _timed(output, started, ended), ended)
         logits = self._compute_logits(hidden_states[model_input.logits_indices])
         return PendingSample(model_input, logits, prompt_logprobs, started)
+
+    def _run_stage(
+        self,
+        model_input: ModelInput,
+        scheduler_output: SchedulerOutput,
+        started: "torch.cuda.Event | None",
+    ) -> "PendingSample | AsyncModelRunnerOutput":
+        """This pipeline stage's forward (pipeline_parallel_size > 1; no CUDA graphs, no
+        image inputs): receive the previous stage's output unless first, run this stage's
+        layers, then send the result on (`pp_stage.finish_inner_stage`) or, on the last
+        stage, go on to the logits as one stage does."""
+        assert self.model is not None
+        intermediate = None
+        if not self.is_first_stage:
+            intermediate = receive_intermediate(
+                model_input.input_ids.shape[0],
+                int(self.config.model_config.hf_text_config.hidden_size),
+                self.model_dtype,
+                self.device,
+            )
+        out = self.model(
+            model_input.input_ids,
+            model_input.positions,
+            model_input.attn_metadata,
+            intermediate_tensors=intermediate,
+        )
+        if not self.is_last_stage:
+            assert isinstance(out, IntermediateTensors)
+            sampled, output = finish_inner_stage(out, model_input)
+            if sampled is not None:
+                self._prev_sampled = sampled
+                self._prev_rows = {r: i for i, r in enumerate(model_input.sampled_request_ids)}
+            return output
+        return self._finish_forward(out, scheduler_output, model_input, started)
 
     @torch.inference_mode()
     def sample_tokens(
@@ -148,9 +200,9 @@ class ModelRunner:
             apply_grammar_bitmask(logits, grammar, model_input.sampled_request_ids)
         metadata = self._sampling_metadata(model_input)
         sampler_output = self.sampler.forward(logits, metadata)
-        # Every rank feeds rank 0's tokens at the next step's placeholders (random draws
-        # are not guaranteed equal across ranks).
-        tensor_model_parallel_broadcast(sampler_output.sampled_token_ids)
+        # Every rank, of every pipeline stage, feeds the sampling rank's tokens at the next
+        # step's placeholders (random draws are not guaranteed equal across ranks).
+        broadcast_sampled_token_ids(sampler_output.sampled_token_ids)
         self._prev_sampled = sampler_output.sampled_token_ids
         self._prev_rows = {r: i for i, r in enumerate(model_input.sampled_request_ids)}
         host_output, ready = _copy_to_host(sampler_output)

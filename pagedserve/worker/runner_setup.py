@@ -188,14 +188,21 @@ def _profile_num_blocks(runner: ModelRunner) -> int:
 
 
 def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
-    """Allocate the KV cache, then capture CUDA graphs for decode batches when they apply
-    (CUDA device, a graph-capturable backend, and not `enforce_eager`), then warm up (CUDA).
+    """Allocate the KV cache (this pipeline stage's layers only), then capture CUDA graphs
+    for decode batches when they apply (CUDA device, a graph-capturable backend, not
+    `enforce_eager`, one pipeline stage), then warm up (CUDA).
     Raises ValueError when the cache does not fit (see `_allocate_kv_cache`)."""
     _allocate_kv_cache(runner, num_blocks)
+    # A pipeline stage's forward takes the previous stage's tensors, which the decode graphs
+    # do not: pipeline parallelism runs eager (graphs per stage are future work).
+    pipelined = runner.config.parallel_config.pipeline_parallel_size > 1
+    if runner.device.type == "cuda" and pipelined:
+        logger.info("pipeline parallelism: no CUDA graphs (eager mode)")
     if (
         runner.device.type == "cuda"
         and not runner.config.device_config.enforce_eager
         and runner.backend.name == "triton"
+        and not pipelined
     ):
         assert runner.model is not None
         runner.cuda_graphs = CudaGraphRunner(
