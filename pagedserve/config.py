@@ -5,7 +5,7 @@ help text and its validation (the class's `__post_init__`) live on that field an
 `EngineArgs` (engine/arg_utils.py), the CLI flags and the README's option table are generated
 from these fields. Import rule: a leaf; imports nothing from pagedserve (torch only lazily, to
 check a CUDA device), and the torch-free leaves `pagedserve.quant_config` and
-`pagedserve.distributed.pp_layers`.
+`pagedserve.distributed.pp_layers` (and `pagedserve.envs`).
 """
 
 import argparse
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any
 
+from pagedserve import envs
 from pagedserve.distributed.pp_layers import pp_partition
 from pagedserve.quant_config import QUANTIZATION_METHODS
 
@@ -404,6 +405,10 @@ class ParallelConfig:
         help="mixture-of-experts layers put whole experts on the tensor-parallel ranks "
         "(num_experts / tensor_parallel_size each) instead of a slice of every expert",
     )
+    # Not an option: PAGEDSERVE_PP_LAYER_PARTITION as the engine's process read it when this
+    # config was made. The workers split the layers by this (their own environment may be
+    # older: a forkserver's, or another node's).
+    pp_layer_partition: str | None = dataclasses.field(default_factory=envs.pp_layer_partition)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -589,7 +594,7 @@ def _check_pipeline_parallel(hf_config: Any, parallel_config: "ParallelConfig") 
     num_layers = getattr(hf_config, "num_hidden_layers", None)
     if pp_size == 1 or not isinstance(num_layers, int):
         return
-    pp_partition(num_layers, pp_size)
+    pp_partition(num_layers, pp_size, parallel_config.pp_layer_partition)
 
 
 def _check_gpu_count(device: str, parallel_config: "ParallelConfig") -> None:

@@ -33,6 +33,8 @@ class _ParallelState:
     expert_parallel: bool = False
     pp_rank: int = 0
     pp_size: int = 1
+    # The decoder layers per stage, "3,5" (`pp_layers.pp_partition`); None: the even split.
+    pp_layer_partition: str | None = None
     # This stage's tensor-parallel ranks; None: the default group (pp_size 1, or no group).
     tp_group: ProcessGroup | None = None
 
@@ -49,12 +51,21 @@ def set_tensor_parallel_state(tp_rank: int, tp_size: int, expert_parallel: bool 
     _STATE.expert_parallel = expert_parallel
 
 
-def set_pipeline_parallel_state(pp_rank: int, pp_size: int) -> None:
-    """Record this process's pipeline stage (0 .. pp_size - 1); called once by the worker at
-    startup (and by tests building one stage's model in-process)."""
+def set_pipeline_parallel_state(
+    pp_rank: int, pp_size: int, layer_partition: str | None = None
+) -> None:
+    """Record this process's pipeline stage (0 .. pp_size - 1) and the split of the decoder
+    layers over the stages (`ParallelConfig.pp_layer_partition`; None: even); called once by
+    the worker at startup (and by tests building one stage's model in-process)."""
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank {pp_rank} out of range for pp_size {pp_size}")
     _STATE.pp_rank, _STATE.pp_size = pp_rank, pp_size
+    _STATE.pp_layer_partition = layer_partition
+
+
+def get_pp_layer_partition() -> str | None:
+    """The split of the decoder layers over the stages ("3,5"), None for the even split."""
+    return _STATE.pp_layer_partition
 
 
 def get_pp_rank() -> int:
@@ -102,6 +113,7 @@ def init_distributed(
     timeout_s: float,
     expert_parallel: bool = False,
     pp_size: int = 1,
+    pp_layer_partition: str | None = None,
 ) -> None:
     """Join the world of pp_size x tp_size ranks (the default process group) as global
     `rank` (= pp_rank * tp_size + tp_rank), and this stage's tensor-parallel group.
@@ -113,13 +125,14 @@ def init_distributed(
         peer never hangs this rank forever.
     expert_parallel: MoE layers place whole experts on the ranks (`get_expert_parallel`).
     pp_size: pipeline stages; every stage has tp_size ranks.
+    pp_layer_partition: the decoder layers per stage, "3,5" (None: the even split).
     Raises ValueError for a rank outside the world.
     """
     world_size = tp_size * pp_size
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} out of range for a world of {world_size} ranks")
     set_tensor_parallel_state(rank % tp_size, tp_size, expert_parallel)
-    set_pipeline_parallel_state(rank // tp_size, pp_size)
+    set_pipeline_parallel_state(rank // tp_size, pp_size, pp_layer_partition)
     if world_size == 1:
         return  # no collectives: comm's functions are the identity
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -4,15 +4,16 @@ engine's configuration checks the split before any worker starts."""
 from pagedserve import envs
 
 
-def pp_partition(num_layers: int, pp_size: int) -> list[int]:
+def pp_partition(num_layers: int, pp_size: int, override: str | None = None) -> list[int]:
     """The number of decoder layers of each of the `pp_size` stages, summing to `num_layers`.
 
     Default: an even split; the remainder goes one layer each to the stages before the last,
     from the second-to-last backwards (the last stage also runs the LM head and sampling),
     as vLLM splits: 5 layers over 2 stages are [3, 2]; 7 over 4 are [2, 2, 2, 1].
-    PAGEDSERVE_PP_LAYER_PARTITION ("3,5") sets the split instead.
-    Raises ValueError when num_layers < pp_size (a stage would have no layer), or when the
-    variable does not list pp_size positive integers summing to num_layers.
+    `override` ("3,5": `ParallelConfig.pp_layer_partition`, PAGEDSERVE_PP_LAYER_PARTITION as
+    the engine's process read it) sets the split instead.
+    Raises ValueError when num_layers < pp_size (a stage would have no layer), or when
+    `override` does not list pp_size positive integers summing to num_layers.
     """
     if pp_size < 1:
         raise ValueError(f"pipeline_parallel_size must be at least 1, got {pp_size}")
@@ -21,7 +22,6 @@ def pp_partition(num_layers: int, pp_size: int) -> list[int]:
             f"pipeline_parallel_size ({pp_size}) is larger than the model's number of decoder "
             f"layers (num_hidden_layers = {num_layers}): every stage needs at least one layer"
         )
-    override = envs.pp_layer_partition()
     if override is None:
         return pp_partition_even(num_layers, pp_size)
     try:
@@ -45,9 +45,11 @@ def pp_partition_even(num_layers: int, pp_size: int) -> list[int]:
     return partition
 
 
-def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+def get_pp_indices(
+    num_layers: int, pp_rank: int, pp_size: int, override: str | None = None
+) -> tuple[int, int]:
     """[start, end) of the decoder layers that stage `pp_rank` holds (`pp_partition`).
     Raises ValueError as `pp_partition`."""
-    partition = pp_partition(num_layers, pp_size)
+    partition = pp_partition(num_layers, pp_size, override)
     start = sum(partition[:pp_rank])
     return start, start + partition[pp_rank]

@@ -16,7 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedserve.distributed.parallel_state import get_pp_rank, get_pp_size
+from pagedserve.distributed.parallel_state import (
+    get_pp_layer_partition,
+    get_pp_rank,
+    get_pp_size,
+)
 from pagedserve.distributed.pp_layers import get_pp_indices
 
 
@@ -42,7 +46,7 @@ def make_layers(
     """(start, end, layers): `build(i)` for this stage's layers i in [start, end), and
     `PPMissingLayer` at the other indices (names stay `layers.{i}` for the checkpoint's).
     Raises ValueError as `get_pp_indices`."""
-    start, end = get_pp_indices(num_layers, get_pp_rank(), get_pp_size())
+    start, end = get_pp_indices(num_layers, get_pp_rank(), get_pp_size(), get_pp_layer_partition())
     layers = nn.ModuleList(
         build(i) if start <= i < end else PPMissingLayer() for i in range(num_layers)
     )

@@ -123,6 +123,7 @@ class Worker:
             timeout_s=parallel_config.distributed_timeout_s,
             expert_parallel=parallel_config.enable_expert_parallel,
             pp_size=parallel_config.pipeline_parallel_size,
+            pp_layer_partition=parallel_config.pp_layer_partition,
         )
         return device
 
