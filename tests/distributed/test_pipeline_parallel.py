@@ -137,6 +137,38 @@ def test_async_scheduling_matches_single_process(
     assert_same_outputs(got, expected["llama4"])
 
 
+def test_prompt_logprobs_and_seeded_sampling_match_single_process() -> None:
+    """The last stage scores the prompt (prompt_logprobs) and samples with the request's seed
+    as one process does."""
+    params = SamplingParams(
+        temperature=1.0, top_k=50, seed=7, max_tokens=8, ignore_eos=True, prompt_logprobs=2
+    )
+    results = []
+    for pp_size in (1, 2):
+        with LLM(str(STORIES), **engine_options(STORIES), pipeline_parallel_size=pp_size) as llm:
+            outputs = llm.generate(prompts_for(STORIES), params, use_tqdm=False)
+        results.append(
+            [
+                (
+                    o.outputs[0].token_ids,
+                    [sorted(p.items()) if p else None for p in o.prompt_logprobs or []],
+                )
+                for o in outputs
+            ]
+        )
+    single, pipelined = results
+    assert [ids for ids, _ in pipelined] == [ids for ids, _ in single]
+    for (_, got), (_, want) in zip(pipelined, single, strict=True):
+        assert len(got) == len(want) > 1
+        for got_pos, want_pos in zip(got, want, strict=True):
+            if want_pos is None:
+                assert got_pos is None
+                continue
+            assert [t for t, _ in got_pos] == [t for t, _ in want_pos]
+            for (_, a), (_, b) in zip(got_pos, want_pos, strict=True):
+                assert abs(a.logprob - b.logprob) < 1e-4
+
+
 @pytest.mark.parametrize(("partition", "largest_stage"), [(None, 2), ("1,3", 3), ("3,1", 3)])
 def test_each_stage_caches_only_its_layers(
     partition: str | None,

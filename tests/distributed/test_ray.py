@@ -1,5 +1,5 @@
-"""The Ray backend on a local Ray cluster (4 CPUs, started here): TP=2 equals TP=1, and a
-killed actor fails the engine."""
+"""The Ray backend on a local Ray cluster (4 CPUs, started here): TP=2 and PP=2 equal one
+rank, and a killed actor fails the engine."""
 
 import os
 import signal
@@ -59,6 +59,14 @@ def test_ray_async_scheduling_matches_single_rank() -> None:
     got = greedy_outputs(
         path, tensor_parallel_size=2, distributed_executor_backend="ray", async_scheduling=True
     )
+    assert_same_outputs(got, expected)
+
+
+def test_ray_pipeline_parallel_matches_single_rank() -> None:
+    """PP=2 over Ray (stories260k's 5 layers split [3, 2]): the last stage's rank answers."""
+    path = SHARED_MODELS / "stories260k"
+    expected = greedy_outputs(path)
+    got = greedy_outputs(path, pipeline_parallel_size=2, distributed_executor_backend="ray")
     assert_same_outputs(got, expected)
 
 
