@@ -88,6 +88,9 @@ class Scheduler:
         # Steps scheduled but not yet applied: id(SchedulerOutput) -> (it, its requests).
         self._launched: dict[int, tuple[SchedulerOutput, dict[str, Request]]] = {}
         self.defer_grammar = False  # see the class docstring
+        # Pipeline parallelism's batch queue: several steps in flight, each of requests whose
+        # previous token is back; a request with a token in flight waits (no placeholders).
+        self.skip_in_flight = False
 
     @property
     def num_running(self) -> int:
@@ -233,6 +236,7 @@ class Scheduler:
             num_new_tokens = min(request.num_uncomputed_tokens, plan.token_budget)
             if (
                 num_new_tokens == 0
+                or (self.skip_in_flight and request.num_output_placeholders > 0)
                 or self._ends_in_flight(request)
                 # its next mask needs the token in flight (async scheduling, no deferral)
                 or (
@@ -277,8 +281,11 @@ class Scheduler:
                 self._fail_request(request)
                 continue
             # A request preempted with a token in flight gets it (update_from_output) before
-            # the next schedule: preemption stops admission for the step it happens in.
-            assert request.num_output_placeholders == 0
+            # it is admitted again: with one step in flight, preemption stops admission for
+            # the step it happens in; with several (skip_in_flight), it waits here.
+            if request.num_output_placeholders > 0:
+                assert self.skip_in_flight
+                return
             hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
             if num_new_tokens > plan.token_budget:
@@ -422,7 +429,9 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
 
 
-_MAX_LAUNCHED = 8  # steps in flight are at most 2; older entries belong to failed steps
+# Steps in flight are at most 2 (async scheduling) or pipeline_parallel_size (the batch
+# queue); older entries belong to failed steps.
+_MAX_LAUNCHED = 16
 
 
 def _needs_output_tokens(request: Request) -> bool:

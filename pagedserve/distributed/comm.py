@@ -1,13 +1,11 @@
-"""Collectives over this stage's tensor-parallel group (each the identity when tp_size == 1),
-the pipeline's point-to-point transfers between stages, and the broadcast of the sampled
-tokens from the last stage to every rank."""
+"""Collectives over this stage's tensor-parallel group (each the identity when tp_size == 1)
+and the pipeline's point-to-point transfers between stages."""
 
 import torch
 import torch.distributed as dist
 
 from pagedserve.distributed.parallel_state import (
     get_pp_rank,
-    get_pp_size,
     get_tp_group,
     get_tp_rank,
     get_tp_size,
@@ -47,19 +45,6 @@ def tensor_model_parallel_broadcast(
     if tp_size == 1:
         return x
     dist.broadcast(x, get_pp_rank() * tp_size + src, group=get_tp_group())
-    return x
-
-
-def broadcast_sampled_token_ids(
-    x: torch.Tensor,  # [num_sampled] int64; the same shape on every rank
-) -> torch.Tensor:  # x, overwritten with the sampling rank's values
-    """Give every rank of every stage the tokens that the last stage's first rank sampled (in
-    place): each rank feeds them at the next step's placeholder tokens (async scheduling),
-    and random draws are not guaranteed equal across ranks. The identity on one rank."""
-    tp_size, pp_size = get_tp_size(), get_pp_size()
-    if tp_size * pp_size == 1:
-        return x
-    dist.broadcast(x, (pp_size - 1) * tp_size)
     return x
 
 

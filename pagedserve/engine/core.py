@@ -7,6 +7,7 @@ It sees only token ids. Tokenizing, detokenizing and stop strings happen in the 
 import gc
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from pagedserve.config import EngineConfig, cuda_index
@@ -84,7 +85,21 @@ class EngineCore:
         self.async_scheduling = (
             self.executor.device_type == "cuda" if async_scheduling is None else async_scheduling
         )
-        logger.info("async scheduling: %s", "on" if self.async_scheduling else "off")
+        # Pipeline parallelism: up to pipeline_parallel_size steps on the ranks at once (the
+        # batch queue, vLLM's max_concurrent_batches), each of requests whose last token is
+        # back; it overlaps the host with the device in place of async scheduling.
+        self.max_concurrent_batches: int = getattr(self.executor, "max_concurrent_batches", 1)
+        self._batch_queue: deque[tuple[SchedulerOutput, AsyncModelRunnerOutput, float]] = deque()
+        if self.max_concurrent_batches > 1:
+            self.async_scheduling = False
+            self.scheduler.skip_in_flight = True
+            logger.info(
+                "pipeline parallelism: up to %d steps in flight (batch queue; async scheduling "
+                "does not apply)",
+                self.max_concurrent_batches,
+            )
+        else:
+            logger.info("async scheduling: %s", "on" if self.async_scheduling else "off")
         # Structured outputs under async scheduling: a step's bitmask is filled while the
         # device runs its forward (after the step before has applied its tokens), where the
         # executor can split a step so (one rank, in this process).
@@ -170,7 +185,11 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or bool(self._batch_queue)
+        )
 
     def step(self) -> list[EngineCoreOutput]:
         """Run one scheduling step and model forward; return the tokens it produced.
@@ -179,10 +198,14 @@ class EngineCore:
         step N, so the host's scheduling and input preparation for N+1 overlap the device's
         work on N. Stop conditions are then applied one step late: a request that stops at N
         may already be in N+1, whose token for it is dropped.
+
+        With pipeline parallelism the batch queue replaces both (`_step_batch_queue`).
         """
         self.step_cost = (0.0, 0.0)
         self.step_tokens = 0
         self.step_seconds = 0.0
+        if self.max_concurrent_batches > 1:
+            return self._step_batch_queue()
         if not self.async_scheduling:
             return self._step_sync() + self.scheduler.take_pending_outputs()
         outputs = self.scheduler.take_pending_outputs()
@@ -226,6 +249,36 @@ class EngineCore:
         host_seconds = self._launch_seconds + time.perf_counter() - started
         self._add_step_cost(scheduler_output, runner_output, host_seconds)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_batch_queue(self) -> list[EngineCoreOutput]:
+        """Pipeline parallelism's step (vLLM's step_with_batch_queue): submit a step while
+        fewer than `max_concurrent_batches` are on the ranks, and return at once when one was
+        submitted and there is room for another; else wait for the oldest and apply its
+        tokens. So stage 0 runs step N+1 while stage 1 runs N."""
+        outputs = self.scheduler.take_pending_outputs()
+        submitted = False
+        if len(self._batch_queue) < self.max_concurrent_batches:
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.is_empty:
+                started = time.perf_counter()
+                handle = self.executor.submit_model(scheduler_output)  # type: ignore[attr-defined]
+                launch_seconds = time.perf_counter() - started
+                self._batch_queue.append((scheduler_output, handle, launch_seconds))
+                submitted = True
+            elif scheduler_output.finished_request_ids:  # let workers drop finished state
+                self.executor.execute_model(scheduler_output)  # after the steps in flight
+        if submitted and len(self._batch_queue) < self.max_concurrent_batches:
+            return outputs
+        if not self._batch_queue:
+            if not outputs:
+                self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
+            return outputs
+        scheduler_output, handle, launch_seconds = self._batch_queue.popleft()
+        started = time.perf_counter()
+        runner_output = handle.result()
+        host_seconds = launch_seconds + time.perf_counter() - started
+        self._add_step_cost(scheduler_output, runner_output, host_seconds)
+        return outputs + self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _step_sync(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()

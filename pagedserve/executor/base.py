@@ -17,12 +17,19 @@ which never knows how many ranks there are, the same calls:
                             may be launched first (async scheduling)
     shutdown()              stop the workers (idempotent)
 
+Pipeline parallelism: `max_concurrent_batches` (pipeline_parallel_size; 1 otherwise) steps may
+be on the ranks at once: `submit_model(step)` sends one without waiting, and its handle's
+`result()` collects the replies (steps are answered in the order sent). The engine core's
+batch queue keeps that many in flight, so that stage 0 runs step N+1 while stage 1 runs N.
+
 `factory.create_executor` picks one from `ParallelConfig.executor_backend`.
 """
 
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any, Protocol
 
+from pagedserve.errors import EngineDeadError
 from pagedserve.step import AsyncModelRunnerOutput, ModelRunnerOutput, SchedulerOutput
 
 
@@ -58,14 +65,58 @@ class RankGroupExecutor(ABC):
     timeout_s: float
     device_type: str  # of the ranks' devices
     output_rank: int = 0  # the rank that samples: the first of the last pipeline stage
+    # Steps the ranks may hold at once (`submit_model`): pipeline_parallel_size.
+    max_concurrent_batches: int = 1
     # Async scheduling: the output of the step launched last, which the ranks send back with
     # the reply to the next launch (or to "finish_pending").
     _unanswered: "_RankGroupOutput | None" = None
+    # Steps submitted (`submit_model`) whose replies are not collected yet, oldest first.
+    _queued: "deque[_QueuedOutput] | None" = None
 
     @abstractmethod
+    def _send(self, method: str, *args: Any) -> Any:
+        """Start `method(*args)` on every rank's worker, after the calls sent before; a
+        ticket for `_receive`. Raises EngineDeadError when a rank is known to be dead."""
+
+    def _submit(self, method: str, *args: Any) -> Any:
+        """`_send` for a step that `submit_model` leaves on the ranks (an executor whose
+        sends may block overrides it)."""
+        return self._send(method, *args)
+
+    @abstractmethod
+    def _receive(self, ticket: Any, method: str, timeout_s: float) -> list[Any]:
+        """The results of the call `ticket`, in rank order (the calls sent before it must
+        have been received). Raises EngineDeadError when a rank fails, dies or does not answer
+        within `timeout_s`."""
+
     def _call(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-        """Run `method(*args)` on every rank's worker; their results in rank order. Raises
-        EngineDeadError when a rank fails, dies or does not answer within `timeout_s`."""
+        """Run `method(*args)` on every rank's worker; their results in rank order (replies
+        of submitted steps that come first are kept for their handles). Raises as
+        `_receive`."""
+        while self._queued:
+            self._collect_oldest()
+        return self._receive(self._send(method, *args), method, timeout_s)
+
+    def submit_model(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Send one step to every rank without waiting (pipeline parallelism keeps up to
+        `max_concurrent_batches` on the ranks); the handle's `result()` waits for its replies
+        (and first for those of the steps submitted before). Raises EngineDeadError."""
+        if self._queued is None:
+            self._queued = deque()
+        handle = _QueuedOutput(self, self._submit("execute_model", scheduler_output))
+        self._queued.append(handle)
+        return handle
+
+    def _collect_oldest(self) -> None:
+        """Wait for the replies of the oldest submitted step; hand its output to its handle."""
+        assert self._queued
+        handle = self._queued.popleft()
+        try:
+            replies = self._receive(handle.ticket, "execute_model", self.timeout_s)
+        except BaseException:
+            handle.lost = True
+            raise
+        handle.set(replies[self.output_rank])
 
     def determine_num_blocks(self) -> int:
         """The fewest blocks any rank can hold (ranks may differ in free memory)."""
@@ -130,4 +181,27 @@ class _RankGroupOutput(AsyncModelRunnerOutput):
             assert self._executor is not None
             self._executor.finish_pending()
         assert self._output is not None
+        return self._output
+
+
+class _QueuedOutput(AsyncModelRunnerOutput):
+    """A submitted step's output (`RankGroupExecutor.submit_model`): collected, in order,
+    when asked for or when a later call needs the ranks' replies behind it."""
+
+    def __init__(self, executor: RankGroupExecutor, ticket: Any) -> None:
+        super().__init__(None)
+        self._executor = executor
+        self.ticket = ticket
+        self.lost = False  # its replies failed to come (the engine is dead)
+
+    def set(self, output: ModelRunnerOutput) -> None:
+        self._output = output
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's output; raises EngineDeadError when it, or a step before it, failed."""
+        while self._output is None:
+            reason = getattr(self._executor, "dead_reason", None)
+            if self.lost or reason is not None or not self._executor._queued:
+                raise EngineDeadError(reason or "a step's replies were lost")
+            self._executor._collect_oldest()
         return self._output

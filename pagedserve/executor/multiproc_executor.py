@@ -34,6 +34,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -93,7 +94,15 @@ class MultiprocExecutor(RankGroupExecutor):
         # Never written: its reader sees EOF when the engine's process ends.
         engine_alive_reader, self._engine_alive = context.Pipe(duplex=False)
         self.workers: list[_WorkerProcess] = []
-        self._finalizer = weakref.finalize(self, stop_workers, self.workers, self._engine_alive)
+        self.max_concurrent_batches = parallel_config.pipeline_parallel_size
+        # Submitted steps go out through a thread (`_submit`): the engine must never block
+        # writing step N+1 into a worker's full pipe while that worker blocks writing step
+        # N's reply, which the engine has not read yet.
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._sender: list[threading.Thread] = []  # started with the first submitted step
+        self._finalizer = weakref.finalize(
+            self, _stop_all, self.workers, self._engine_alive, self._outbox, self._sender
+        )
         for rank in range(world_size):
             conn, child_conn = context.Pipe()
             process = context.Process(
@@ -135,8 +144,9 @@ class MultiprocExecutor(RankGroupExecutor):
         self.dead_reason = self.dead_reason or "the engine was shut down"
         self._finalizer()
 
-    def _call(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-        """Run Worker.<method>(*args) on every rank; the replies in rank order."""
+    def _send(self, method: str, *args: Any) -> None:
+        """Send Worker.<method>(*args) to every rank, from this thread (`_call` has collected
+        the replies of every submitted step first, so the sender thread is idle)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         message = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -145,6 +155,25 @@ class MultiprocExecutor(RankGroupExecutor):
                 worker.conn.send_bytes(message)
             except OSError:
                 raise self._fail(self._death_note(worker)) from None
+
+    def _submit(self, method: str, *args: Any) -> None:
+        """Send a submitted step through the sender thread (a write to a worker whose pipe
+        is full then waits there, not here; a dead worker is seen by `_collect`)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if not self._sender:
+            thread = threading.Thread(
+                target=_send_submitted,
+                args=(self._outbox, self.workers),
+                name="PagedServeStepSender",
+                daemon=True,
+            )
+            thread.start()
+            self._sender.append(thread)
+        self._outbox.put(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _receive(self, ticket: Any, method: str, timeout_s: float) -> list[Any]:
+        """The replies of the oldest call not yet received (calls are answered in order)."""
         return self._collect(method, timeout_s)
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
@@ -225,6 +254,30 @@ def _start_context(config: EngineConfig) -> Any:
         ["torch", "transformers", hf_config_module, "pagedserve.worker.worker"]
     )
     return context
+
+
+def _send_submitted(
+    outbox: "queue.SimpleQueue[bytes | None]", workers: list[_WorkerProcess]
+) -> None:
+    """The sender thread: send each submitted step to every worker, in order, until None.
+    A worker that is gone is skipped (the engine's `_collect` reports its death)."""
+    while (message := outbox.get()) is not None:
+        for worker in workers:
+            with contextlib.suppress(OSError):
+                worker.conn.send_bytes(message)
+
+
+def _stop_all(
+    workers: list[_WorkerProcess],
+    engine_alive: connection.Connection,
+    outbox: "queue.SimpleQueue[bytes | None]",
+    sender: list[threading.Thread],
+) -> None:
+    """Stop the sender thread (after what it is sending), then the workers (`stop_workers`)."""
+    outbox.put(None)
+    for thread in sender:
+        thread.join(_SHUTDOWN_TIMEOUT_S)
+    stop_workers(workers, engine_alive)
 
 
 def stop_workers(

@@ -76,6 +76,7 @@ class RayExecutor(RankGroupExecutor):
             ray.init()  # joins the cluster of `ray start` / RAY_ADDRESS, else starts one
         world_size = config.parallel_config.world_size
         self.output_rank = output_rank(config)
+        self.max_concurrent_batches = config.parallel_config.pipeline_parallel_size
         self.timeout_s = config.parallel_config.distributed_timeout_s
         self.dead_reason: str | None = None
         self.actors: list[Any] = []
@@ -136,12 +137,17 @@ class RayExecutor(RankGroupExecutor):
         pids: list[int] = ray.get([a.pid.remote() for a in self.actors], timeout=self.timeout_s)
         return pids
 
-    def _call(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-        """Run Worker.<method>(*args) on every rank; the replies in rank order."""
+    def _send(self, method: str, *args: Any) -> list[Any]:
+        """Start Worker.<method>(*args) on every rank (an actor runs one caller's calls in
+        order); their object refs."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        return [actor.call.remote(method, *args) for actor in self.actors]
+
+    def _receive(self, ticket: Any, method: str, timeout_s: float) -> list[Any]:
+        """The replies of the call whose refs are `ticket`, in rank order."""
         ray = _import_ray()
-        refs = [actor.call.remote(method, *args) for actor in self.actors]
+        refs: list[Any] = ticket
         try:
             replies = _get_all(ray, refs, timeout_s)
         except ray.exceptions.GetTimeoutError:

@@ -12,7 +12,7 @@ import torch
 
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.config import EngineConfig
-from pagedserve.distributed.comm import broadcast_sampled_token_ids
+from pagedserve.distributed.comm import tensor_model_parallel_broadcast
 from pagedserve.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
 from pagedserve.layers.attention import Attention
 from pagedserve.messages import PromptLogprobsData, SampleLogprobsData
@@ -28,7 +28,7 @@ from pagedserve.worker.cuda_graph import CudaGraphRunner
 from pagedserve.worker.encoder_cache import build_inputs_embeds
 from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.worker.input_batch import CachedRequestState, ModelInput, build_model_input
-from pagedserve.worker.pp_stage import finish_inner_stage, receive_intermediate
+from pagedserve.worker.pp_stage import receive_intermediate, send_to_next_stage
 from pagedserve.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from pagedserve.worker.sampling_metadata import SamplingMetadata, SamplingStateManager
 
@@ -182,11 +182,7 @@ class ModelRunner:
         )
         if not self.is_last_stage:
             assert isinstance(out, IntermediateTensors)
-            sampled, output = finish_inner_stage(out, model_input)
-            if sampled is not None:
-                self._prev_sampled = sampled
-                self._prev_rows = {r: i for i, r in enumerate(model_input.sampled_request_ids)}
-            return output
+            return send_to_next_stage(out)
         return self._finish_forward(out, scheduler_output, model_input, started)
 
     @torch.inference_mode()
@@ -200,9 +196,10 @@ class ModelRunner:
             apply_grammar_bitmask(logits, grammar, model_input.sampled_request_ids)
         metadata = self._sampling_metadata(model_input)
         sampler_output = self.sampler.forward(logits, metadata)
-        # Every rank, of every pipeline stage, feeds the sampling rank's tokens at the next
-        # step's placeholders (random draws are not guaranteed equal across ranks).
-        broadcast_sampled_token_ids(sampler_output.sampled_token_ids)
+        # Every rank (of the last pipeline stage: the only one that samples) feeds its tp
+        # rank 0's tokens at the next step's placeholders (random draws are not guaranteed
+        # equal across ranks).
+        tensor_model_parallel_broadcast(sampler_output.sampled_token_ids)
         self._prev_sampled = sampler_output.sampled_token_ids
         self._prev_rows = {r: i for i, r in enumerate(model_input.sampled_request_ids)}
         host_output, ready = _copy_to_host(sampler_output)

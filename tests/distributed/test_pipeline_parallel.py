@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -128,13 +129,37 @@ def test_pipeline_and_tensor_parallel_match_single_process(
     assert_same_outputs(got, expected["llama4"])
 
 
-def test_async_scheduling_matches_single_process(
-    model_paths: dict[str, Path], expected: dict[str, list[tuple[list[int], float]]]
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steps_are_pipelined_through_the_stages(
+    async_scheduling: bool,
+    model_paths: dict[str, Path],
+    expected: dict[str, list[tuple[list[int], float]]],
 ) -> None:
-    """Under async scheduling the first stage feeds the last stage's sampled tokens (sent to
-    every rank) at the next step's placeholders."""
-    got = greedy_outputs(model_paths["llama4"], pipeline_parallel_size=2, async_scheduling=True)
+    """The engine keeps two steps on the ranks at once (the batch queue: stage 0 takes step
+    N+1 while stage 1 runs N), each of requests whose last token is back; async scheduling
+    (placeholder tokens) gives way to it. Same greedy outputs as one process."""
+    path = model_paths["llama4"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    in_flight_at_submit: list[int] = []
+    with LLM(
+        str(path),
+        **engine_options(path),
+        pipeline_parallel_size=2,
+        async_scheduling=async_scheduling,
+    ) as llm:
+        core = llm.llm_engine.engine_core
+        assert core.max_concurrent_batches == 2 and not core.async_scheduling
+        submit = core.executor.submit_model
+
+        def recording_submit(scheduler_output: Any) -> Any:
+            in_flight_at_submit.append(len(core._batch_queue))
+            return submit(scheduler_output)
+
+        core.executor.submit_model = recording_submit
+        outputs = llm.generate(prompts_for(path), params, use_tqdm=False)
+    got = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob or 0.0) for o in outputs]
     assert_same_outputs(got, expected["llama4"])
+    assert max(in_flight_at_submit) == 1  # a second step went out before the first was back
 
 
 def test_prompt_logprobs_and_seeded_sampling_match_single_process() -> None:
