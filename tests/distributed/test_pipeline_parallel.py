@@ -162,6 +162,41 @@ def test_steps_are_pipelined_through_the_stages(
     assert max(in_flight_at_submit) == 1  # a second step went out before the first was back
 
 
+def test_abort_and_preemption_with_steps_in_flight(model_paths: dict[str, Path]) -> None:
+    """A request aborted while its step is on the ranks ends "abort"; the others run to
+    their length though the small cache preempts requests that have steps in flight; the
+    engine ends with no step queued and no block held."""
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    path = model_paths["llama4"]
+    args = EngineArgs(str(path), **engine_options(path), pipeline_parallel_size=2)
+    engine = LLMEngine.from_engine_args(args)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        for i, prompt in enumerate(prompts_for(path)):
+            engine.add_request(str(i), prompt, params)
+        for _ in range(6):
+            engine.step()
+        core = engine.engine_core
+        assert core._batch_queue  # a step is on the ranks
+        [aborted] = engine.abort_request("0")
+        assert [c.finish_reason for c in aborted.outputs] == ["abort"]
+        finished = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output.outputs[0]
+        assert sorted(finished, key=int) == [str(i) for i in range(1, 10)]
+        assert all(
+            len(c.token_ids) == 12 and c.finish_reason == "length" for c in finished.values()
+        )
+        assert core.scheduler.num_preemptions_total > 0
+        assert not core._batch_queue and engine.kv_cache.usage == 0
+    finally:
+        engine.shutdown()
+
+
 def test_prompt_logprobs_and_seeded_sampling_match_single_process() -> None:
     """The last stage scores the prompt (prompt_logprobs) and samples with the request's seed
     as one process does."""
