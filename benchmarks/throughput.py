@@ -71,6 +71,7 @@ def run_pagedserve(args: argparse.Namespace, model: str, requests: list) -> dict
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
     )
     for name in (
@@ -216,6 +217,7 @@ def main() -> None:
     parser.add_argument("--attention-backend")
     parser.add_argument("--kv-cache-dtype", help="auto (default), fp8, fp8_e4m3 or fp8_e5m2")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument(
         "--enable-expert-parallel",
         action="store_true",

@@ -1,6 +1,7 @@
 """Llama 2/3 and Mistral decoder-only models on paged attention (also the base of Qwen2/Qwen3)."""
 
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Any, ClassVar
 
 import torch
@@ -268,7 +269,8 @@ class LlamaModel(nn.Module):
         else:
             hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        # islice: slicing a ModuleList builds a new module (costly on every step).
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         assert residual is not None  # every stage has at least one layer
         if not self.is_last_stage:
