@@ -11,7 +11,12 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedserve.config import LOAD_FORMATS
-from pagedserve.distributed.parallel_state import get_pp_size, get_tp_rank, get_tp_size
+from pagedserve.distributed.parallel_state import (
+    get_pp_rank,
+    get_pp_size,
+    get_tp_rank,
+    get_tp_size,
+)
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.norm import RMSNorm
@@ -148,8 +153,8 @@ def _shards(files: Sequence[Path]) -> Iterator[Path]:
     on the first rank only (every rank reads the files)."""
     from tqdm.auto import tqdm
 
-    rank = get_tp_rank()
-    yield from tqdm(files, desc="Loading safetensors checkpoint shards", disable=rank != 0)
+    first = get_tp_rank() == 0 and get_pp_rank() == 0
+    yield from tqdm(files, desc="Loading safetensors checkpoint shards", disable=not first)
 
 
 def iterate_safetensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
