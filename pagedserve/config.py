@@ -299,8 +299,16 @@ class CacheConfig:
         "checkpoint, else 1.0) in half the memory of 16-bit",
         cli={"choices": KV_CACHE_DTYPES},
     )
+    cpu_offload_gb: float = option(
+        0.0,
+        help="GiB of weights (per device) kept in pinned CPU memory and copied to the device "
+        "layer by layer during each forward, so that a model larger than the device runs; "
+        "whole layers of the layer stacks, first layers first; turns off CUDA graphs",
+    )
 
     def __post_init__(self) -> None:
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -135,6 +135,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _FROM_CONFIG
     enable_prefix_caching: bool = _FROM_CONFIG
     kv_cache_dtype: str = _FROM_CONFIG
+    cpu_offload_gb: float = _FROM_CONFIG
     max_num_seqs: int = _FROM_CONFIG
     max_num_batched_tokens: int | None = _FROM_CONFIG
     enable_chunked_prefill: bool = _FROM_CONFIG

@@ -84,6 +84,7 @@ def load_model(runner: ModelRunner) -> None:
         model_config.quantization,
         model_config.model_impl,
         max_model_len=model_config.max_model_len,
+        cpu_offload_bytes=_cpu_offload_bytes(runner),
     )
     runner.attention_layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
     for layer in runner.attention_layers:
@@ -94,6 +95,18 @@ def load_model(runner: ModelRunner) -> None:
         time.perf_counter() - start,
         num_bytes / 2**20,
     )
+
+
+def _cpu_offload_bytes(runner: ModelRunner) -> int:
+    """cpu_offload_gb in bytes; ValueError when it exceeds the host's available memory."""
+    num_bytes = int(runner.config.cache_config.cpu_offload_gb * 2**30)
+    available = _known_available_ram_bytes()
+    if num_bytes and available is not None and num_bytes > available:
+        raise ValueError(
+            f"cpu_offload_gb={runner.config.cache_config.cpu_offload_gb} is more than this "
+            f"host's available memory ({available / 2**30:.1f} GiB)"
+        )
+    return num_bytes
 
 
 def _check_kv_cache_dtype(runner: ModelRunner) -> None:
@@ -196,6 +209,7 @@ def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
         runner.device.type == "cuda"
         and not runner.config.device_config.enforce_eager
         and runner.backend.name == "triton"
+        and not runner.config.cache_config.cpu_offload_gb  # hooks around each layer
     ):
         assert runner.model is not None
         runner.cuda_graphs = CudaGraphRunner(
