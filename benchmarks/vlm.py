@@ -52,8 +52,9 @@ TEXT_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  max_position_embeddings=2048)  # fmt: skip
 
 
-def write_model(path: Path, tiny: bool) -> None:
-    """Write the LLaVA-1.5 folder (config, tokenizer, processor; no weights) into `path`."""
+def write_model(path: Path, tiny: bool, tokenizer_dir: Path = TOKENIZER) -> None:
+    """Write the LLaVA-1.5 folder (config, tokenizer, processor; no weights) into `path`;
+    the tokenizer is sentencepiece-32k's (`tokenizer_dir`)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessorPil,
@@ -63,7 +64,7 @@ def write_model(path: Path, tiny: bool) -> None:
         LlavaProcessor,
     )
 
-    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"], "pad_token": "<pad>"})
     image_size = 336
     config = LlavaConfig(
@@ -128,7 +129,9 @@ def timed_on_device(fn: Callable[..., Any], total: list[float], device: str) -> 
     return wrapper
 
 
-def run_engine(args: argparse.Namespace, model: Path, requests: list) -> dict[str, Any]:
+def run_engine(
+    args: argparse.Namespace, model: Path, requests: list, warm_up: list
+) -> dict[str, Any]:
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(
@@ -146,7 +149,9 @@ def run_engine(args: argparse.Namespace, model: Path, requests: list) -> dict[st
     )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     prompts = [{"prompt": p, "multi_modal_data": {"image": im}} for p, im in requests]
-    llm.generate(prompts[: min(4, len(prompts))], params, use_tqdm=False)  # warm-up
+    # Warm-up on other images (the same ones would hit the prefix cache in the run).
+    warm = [{"prompt": p, "multi_modal_data": {"image": im}} for p, im in warm_up]
+    llm.generate(warm, params, use_tqdm=False)
     encoder[0] = 0.0
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -208,17 +213,19 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", type=Path, default=TOKENIZER,
+                        help="the sentencepiece-32k folder (../shared/tokenizers/)")  # fmt: skip
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as folder:
         model = Path(folder) / "llava-1.5-7b"
-        write_model(model, args.tiny)
-        requests = make_requests(
-            args.num_prompts, args.text_len, args.seed, AutoTokenizer.from_pretrained(str(model))
-        )
-        results = {"pagedserve": run_engine(args, model, requests)}
+        write_model(model, args.tiny, args.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        requests = make_requests(args.num_prompts, args.text_len, args.seed, tokenizer)
+        warm_up = make_requests(4, args.text_len, args.seed + 1, tokenizer)
+        results = {"pagedserve": run_engine(args, model, requests, warm_up)}
         if not args.no_hf:
             results["transformers (static batches)"] = run_hf(args, model, requests)
 
@@ -235,7 +242,7 @@ def main() -> None:
         ours, hf = results.values()
         speedup = (ours["output_tokens"] / ours["seconds"]) / (hf["output_tokens"] / hf["seconds"])
         print(f"speed-up (output tok/s): {speedup:.2f}x")
-    print(json.dumps({"commit": git_commit(), "args": vars(args), "results": results}))
+    print(json.dumps({"commit": git_commit(), "args": vars(args), "results": results}, default=str))
 
 
 if __name__ == "__main__":
