@@ -1,5 +1,6 @@
 """Per-request worker state and the flattening of a step into model inputs."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.multimodal import MultiModalFeature
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from pagedserve.step import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -25,6 +26,10 @@ class CachedRequestState:
     # its embeddings [length, hidden_size], from the first step that feeds one of its tokens
     # to the step that feeds its last.
     encoder_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # M-RoPE models (Qwen2.5-VL): the prompt's (t, h, w) positions [3, num_prompt_tokens]
+    # int64, and what later tokens add to their index (the same on all three axes).
+    mrope_positions: np.ndarray | None = None
+    mrope_position_delta: int = 0
 
 
 @dataclass(slots=True)
@@ -32,7 +37,7 @@ class ModelInput:
     """One step's flat model inputs (tokens of all requests, back to back)."""
 
     input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64; [3, num_tokens] for an M-RoPE model
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64, last token of each sampled request
     sampled_request_ids: list[str]
@@ -48,8 +53,10 @@ def build_model_input(
     states: dict[str, CachedRequestState],
     block_size: int,
     device: torch.device,
+    mrope: bool = False,
 ) -> ModelInput:
-    """Flatten the scheduled requests into tensors.
+    """Flatten the scheduled requests into tensors. `mrope`: the model takes M-RoPE
+    positions [3, num_tokens] (`mrope_positions`); the KV slots follow the token index.
 
     Example, block_size=4: a request with block table [7, 2], 5 computed tokens and 2 new
     ones feeds positions 5 and 6, which land in logical block 1 (physical 2) at offsets 1
@@ -100,9 +107,12 @@ def build_model_input(
         query_start_loc_cpu=query_start_loc_cpu,
         seq_lens_cpu=seq_lens_cpu,
     )
+    rope_positions = positions.astype(np.int64)
+    if mrope:
+        rope_positions = mrope_positions(scheduled, states, query_start_loc, computed)
     return ModelInput(
         input_ids=to_device(input_ids),
-        positions=to_device(positions.astype(np.int64)),
+        positions=to_device(rope_positions),
         attn_metadata=attn_metadata,
         logits_indices=to_device(logits_indices),
         sampled_request_ids=sampled_request_ids,
@@ -110,3 +120,30 @@ def build_model_input(
         placeholder_positions=torch.from_numpy(placeholders.astype(np.int64)),
         placeholder_request_ids=placeholder_request_ids,
     )
+
+
+def mrope_positions(
+    scheduled: Sequence[ScheduledRequest],
+    states: dict[str, CachedRequestState],
+    query_start_loc: np.ndarray,  # [num_reqs + 1] int32
+    computed: np.ndarray,  # [num_reqs] int64, each request's num_computed_tokens
+) -> np.ndarray:  # [3, num_tokens] int64
+    """The step's M-RoPE positions: a prompt token's from its request's `mrope_positions`
+    (wherever the step starts in the prompt: a chunk, or after a prefix-cache hit), a later
+    token's index + `mrope_position_delta` on all three axes (vLLM's
+    MRotaryEmbedding.get_next_input_positions). A request without `mrope_positions` (no
+    model-computed positions) counts as text: its token indices."""
+    out = np.empty((3, int(query_start_loc[-1])), np.int64)
+    for i, request in enumerate(scheduled):
+        state = states[request.request_id]
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        first = int(computed[i])
+        prompt = state.mrope_positions
+        num_prompt = 0 if prompt is None else prompt.shape[1]
+        in_prompt = min(max(num_prompt - first, 0), end - start)
+        if in_prompt:
+            assert prompt is not None
+            out[:, start : start + in_prompt] = prompt[:, first : first + in_prompt]
+        later = np.arange(first + in_prompt, first + end - start) + state.mrope_position_delta
+        out[:, start + in_prompt : end] = later
+    return out
