@@ -86,9 +86,7 @@ def feature_from_data(data: MultiModalFeatureData) -> MultiModalFeature:
     # frombuffer's array is read-only; a copy lets torch.from_numpy share it without a warning.
     pixels = pixels.reshape(data.pixel_shape).copy()
     grid = None if data.grid_thw is None else (data.grid_thw[0], data.grid_thw[1], data.grid_thw[2])
-    return MultiModalFeature(
-        pixels, data.offset, data.length, data.identifier, data.modality, grid
-    )
+    return MultiModalFeature(pixels, data.offset, data.length, data.identifier, data.modality, grid)
 
 
 def run_engine_core(

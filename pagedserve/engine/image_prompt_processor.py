@@ -27,7 +27,9 @@ class ImagePromptProcessor:
         self.chat_template = getattr(tokenizer, "chat_template", None)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, trust_remote_code: bool = False) -> "ImagePromptProcessor":
+    def from_pretrained(
+        cls, model_dir: str, trust_remote_code: bool = False
+    ) -> "ImagePromptProcessor":
         """Load the folder's tokenizer and image processor. Raises ValueError when the image
         processor is not a Qwen2-VL one (no `merge_size`: the folder needs its own
         processor)."""

@@ -107,18 +107,16 @@ class MultiModalProcessor:
                 f"multi_modal_data: the prompt and its {len(images)} image(s) do not match: {e}",
                 "multi_modal_data",
             ) from None
+        grid_of: list[tuple[int, int, int] | None] = [None] * len(ranges)
         if grids is None:  # one [C, H, W] array per image
             per_image = list(pixel_values)
         else:  # the images' patches back to back: each image its grid's t * h * w rows
             bounds = np.cumsum([0] + [t * h * w for t, h, w in grids])
             per_image = [pixel_values[bounds[k] : bounds[k + 1]] for k in range(len(grids))]
+            grid_of = list(grids)
         features = tuple(
-            MultiModalFeature(
-                pixels, offset, length, hash_pixels(pixels, grid), grid_thw=grid
-            )
-            for pixels, (offset, length), grid in zip(
-                per_image, ranges, grids or [None] * len(ranges), strict=True
-            )
+            MultiModalFeature(pixels, offset, length, hash_pixels(pixels, grid), grid_thw=grid)
+            for pixels, (offset, length), grid in zip(per_image, ranges, grid_of, strict=True)
         )
         return token_ids, features
 

@@ -23,6 +23,14 @@ from pagedserve.layers.norm import RMSNorm
 _NORM_EPS = 1e-6  # transformers' Qwen2_5_VLRMSNorm default, fixed for the vision blocks
 
 
+class _PatchWeight(nn.Module):
+    """Holds the Conv3d's weight under the checkpoint's name (`patch_embed.proj.weight`)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape))
+
+
 class PatchEmbed(nn.Module):
     """The Conv3d over one (temporal_patch, patch, patch) patch with its kernel the size of the
     patch: a linear map of the flattened patch. `proj.weight` keeps the checkpoint's 5-D shape
@@ -33,16 +41,14 @@ class PatchEmbed(nn.Module):
         patch = int(vision_config.patch_size)
         temporal = int(vision_config.temporal_patch_size)
         self.hidden_size = int(vision_config.hidden_size)
-        self.proj = nn.Module()
-        self.proj.weight = nn.Parameter(
-            torch.empty(self.hidden_size, int(vision_config.in_channels), temporal, patch, patch)
-        )
+        channels = int(vision_config.in_channels)
+        self.proj = _PatchWeight(self.hidden_size, channels, temporal, patch, patch)
 
     def forward(
         self,
         patches: torch.Tensor,  # [num_patches, C * T * P * P] float
     ) -> torch.Tensor:  # [num_patches, hidden] float
-        weight: torch.Tensor = self.proj.weight
+        weight = self.proj.weight
         return F.linear(patches.to(weight.dtype), weight.view(self.hidden_size, -1))
 
 
@@ -69,8 +75,8 @@ class VisionAttention(nn.Module):
         out = torch.empty_like(q)
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
             if end > start:  # [heads, len, head_dim] per segment
-                segment = [t[start:end].transpose(0, 1) for t in (q, k, v)]
-                out[start:end] = F.scaled_dot_product_attention(*segment).transpose(0, 1)
+                q_s, k_s, v_s = (t[start:end].transpose(0, 1) for t in (q, k, v))
+                out[start:end] = F.scaled_dot_product_attention(q_s, k_s, v_s).transpose(0, 1)
         projected: torch.Tensor = self.proj(out.reshape(n, -1))
         return projected
 
@@ -195,7 +201,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         cos, sin = angles.cos(), angles.sin()
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, cu_full if i in self.fullatt_block_indexes else cu_window)
-        merged = self.merger(x)
+        merged: torch.Tensor = self.merger(x)
         return merged[torch.argsort(order)]
 
     def _rope_positions(

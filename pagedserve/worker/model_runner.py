@@ -7,6 +7,7 @@ Start-up (model loading, KV cache sizing and allocation, CUDA graphs, warm-up) i
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -213,8 +214,10 @@ class ModelRunner:
             mm_features=new.mm_features,
         )
         if self.uses_mrope:  # once per request: its prompt's 3-D positions and their delta
-            get_positions = self.model.get_mrope_input_positions  # type: ignore[union-attr]
-            positions, delta = get_positions(new.prompt_token_ids, new.mm_features)
+            model: Any = self.model
+            positions, delta = model.get_mrope_input_positions(
+                new.prompt_token_ids, new.mm_features
+            )
             state.mrope_positions, state.mrope_position_delta = positions, delta
         return state
 

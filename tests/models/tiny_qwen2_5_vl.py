@@ -20,10 +20,7 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 ONE = f"<|im_start|>user\n{IMAGE}What is in this picture?<|im_end|>\n<|im_start|>assistant\n"
-TWO = (
-    f"<|im_start|>user\n{IMAGE}and {IMAGE}How do they differ?<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
+TWO = f"<|im_start|>user\n{IMAGE}and {IMAGE}How do they differ?<|im_end|>\n<|im_start|>assistant\n"
 
 # Qwen/Qwen2.5-VL-7B-Instruct's template without its video branch and vision ids.
 CHAT_TEMPLATE = (
@@ -45,8 +42,8 @@ def build_tiny_qwen2_5_vl(path: Path) -> None:
     """Save a seeded random Qwen2.5-VL and its processor (with CHAT_TEMPLATE) into `path`.
     Vision: 4 blocks, full attention in 1 and 3, 56-px windows (2x2 merged tokens): a 112x84
     image spans several windows. Text: head_dim 16, mrope_section [2, 3, 3]. The lm_head is
-    scaled so that greedy picks are not decided by near-ties, and the merger so that the
-    image changes the output."""
+    scaled so that greedy picks are not decided by near-ties, the merger so that the image
+    changes the output, and q/k so that attention (hence M-RoPE's positions) does too."""
     from transformers import (
         AutoTokenizer,
         Qwen2_5_VLConfig,
@@ -94,6 +91,9 @@ def build_tiny_qwen2_5_vl(path: Path) -> None:
     with torch.no_grad():
         model.lm_head.weight.mul_(50.0)
         model.model.visual.merger.mlp[2].weight.mul_(20.0)
+        for layer in model.model.language_model.layers:  # sharp attention: positions matter
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
     model.save_pretrained(str(path))
     # Qwen2_5_VLProcessor cannot be built without torchvision (its video processor): the
     # folder gets what it saves for images, the tokenizer with the template and the image
