@@ -123,6 +123,19 @@ def test_mrope_positions_match_transformers(qwen_dir: Path, hf_model: Any, llm: 
     assert list(positions[1, 12:24]) != list(positions[2, 12:24])
 
 
+def test_placeholder_runs_of_different_lengths() -> None:
+    """Per-image lengths split adjacent runs; a mismatch is a ValueError naming both."""
+    from pagedserve.multimodal import placeholder_ranges
+
+    ids = [1, 9, 9, 9, 9, 2, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 3]
+    assert placeholder_ranges(ids, 9, 2, [4, 12]) == [(1, 4), (6, 12)]
+    assert placeholder_ranges([9] * 6, 9, 2, [2, 4]) == [(0, 2), (2, 4)]
+    with pytest.raises(ValueError, match=r"16 image placeholder tokens for 2 images of \[4, 8\]"):
+        placeholder_ranges(ids, 9, 2, [4, 8])
+    with pytest.raises(ValueError, match="not contiguous"):
+        placeholder_ranges(ids, 9, 2, [2, 14])
+
+
 @pytest.mark.parametrize(
     ("prompt", "images"),
     [(ONE, [image(1)]), (TWO, [image(1), wide_image(2)]), (TWO, [wide_image(3), image(4)])],
