@@ -9,7 +9,7 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.multimodal import MultiModalFeature
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from pagedserve.step import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -109,7 +109,8 @@ def build_model_input(
     )
     rope_positions = positions.astype(np.int64)
     if mrope:
-        rope_positions = mrope_positions(scheduled, states, query_start_loc, computed)
+        step_states = [states[r.request_id] for r in scheduled]
+        rope_positions = mrope_positions(step_states, rope_positions, req_indices, query_start_loc)
     return ModelInput(
         input_ids=to_device(input_ids),
         positions=to_device(rope_positions),
@@ -123,27 +124,24 @@ def build_model_input(
 
 
 def mrope_positions(
-    scheduled: Sequence[ScheduledRequest],
-    states: dict[str, CachedRequestState],
+    states: Sequence[CachedRequestState],  # the scheduled requests', in step order
+    positions: np.ndarray,  # [num_tokens] int64, each token's index in its request
+    req_indices: np.ndarray,  # [num_tokens], each token's request (row of `states`)
     query_start_loc: np.ndarray,  # [num_reqs + 1] int32
-    computed: np.ndarray,  # [num_reqs] int64, each request's num_computed_tokens
 ) -> np.ndarray:  # [3, num_tokens] int64
-    """The step's M-RoPE positions: a prompt token's from its request's `mrope_positions`
-    (wherever the step starts in the prompt: a chunk, or after a prefix-cache hit), a later
-    token's index + `mrope_position_delta` on all three axes (vLLM's
-    MRotaryEmbedding.get_next_input_positions). A request without `mrope_positions` (no
-    model-computed positions) counts as text: its token indices."""
-    out = np.empty((3, int(query_start_loc[-1])), np.int64)
-    for i, request in enumerate(scheduled):
-        state = states[request.request_id]
-        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        first = int(computed[i])
+    """The step's M-RoPE positions: a token after the prompt has its index +
+    `mrope_position_delta` on all three axes (vLLM's
+    MRotaryEmbedding.get_next_input_positions), a prompt token its request's
+    `mrope_positions` column (wherever the step starts in the prompt: a chunk, or after a
+    prefix-cache hit). A request without `mrope_positions` counts as text (delta 0)."""
+    deltas = np.fromiter((s.mrope_position_delta for s in states), np.int64, len(states))
+    out = np.repeat((positions + deltas[req_indices])[None], 3, axis=0)
+    for i, state in enumerate(states):  # prompt tokens: prefills only
         prompt = state.mrope_positions
-        num_prompt = 0 if prompt is None else prompt.shape[1]
-        in_prompt = min(max(num_prompt - first, 0), end - start)
-        if in_prompt:
-            assert prompt is not None
-            out[:, start : start + in_prompt] = prompt[:, first : first + in_prompt]
-        later = np.arange(first + in_prompt, first + end - start) + state.mrope_position_delta
-        out[:, start + in_prompt : end] = later
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        first = int(positions[start])
+        if prompt is None or first >= prompt.shape[1]:
+            continue
+        in_prompt = min(prompt.shape[1] - first, end - start)
+        out[:, start : start + in_prompt] = prompt[:, first : first + in_prompt]
     return out
