@@ -53,7 +53,8 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    """Bidirectional multi-head attention within segments ([start, end) rows of the batch)."""
+    """Bidirectional multi-head attention within segments (frames or windows: contiguous
+    rows of the batch)."""
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
@@ -67,18 +68,31 @@ class VisionAttention(nn.Module):
         x: torch.Tensor,  # [num_patches, hidden] float
         cos: torch.Tensor,  # [num_patches, head_dim] float32
         sin: torch.Tensor,  # [num_patches, head_dim] float32
-        cu_seqlens: list[int],  # segment bounds: [0, ..., num_patches]
+        segments: list[torch.Tensor],  # `segment_groups`: [num_segments, length] row indices
     ) -> torch.Tensor:  # [num_patches, hidden] float
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = torch.empty_like(q)
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
-            if end > start:  # [heads, len, head_dim] per segment
-                q_s, k_s, v_s = (t[start:end].transpose(0, 1) for t in (q, k, v))
-                out[start:end] = F.scaled_dot_product_attention(q_s, k_s, v_s).transpose(0, 1)
+        for rows in segments:  # one batched call per segment length
+            q_s, k_s, v_s = (t[rows].transpose(1, 2) for t in (q, k, v))  # [s, heads, len, d]
+            out[rows] = F.scaled_dot_product_attention(q_s, k_s, v_s).transpose(1, 2)
         projected: torch.Tensor = self.proj(out.reshape(n, -1))
         return projected
+
+
+def segment_groups(bounds: Sequence[int] | np.ndarray, device: torch.device) -> list[torch.Tensor]:
+    """The segments [bounds[i], bounds[i + 1]) grouped by length: per length, the row
+    indices [num_segments, length] int64 of its segments (empty segments dropped), so that
+    attention runs one batched call per length rather than one per segment (a 1-megapixel
+    image has ~80 windows, mostly of one size)."""
+    edges = np.asarray(bounds, dtype=np.int64)
+    starts, lengths = edges[:-1], np.diff(edges)
+    groups = []
+    for length in np.unique(lengths[lengths > 0]):
+        rows = starts[lengths == length][:, None] + np.arange(length)
+        groups.append(torch.from_numpy(rows).to(device))
+    return groups
 
 
 def _rotate(
@@ -126,9 +140,9 @@ class VisionBlock(nn.Module):
         x: torch.Tensor,  # [num_patches, hidden] float
         cos: torch.Tensor,  # [num_patches, head_dim] float32
         sin: torch.Tensor,  # [num_patches, head_dim] float32
-        cu_seqlens: list[int],
+        segments: list[torch.Tensor],  # `segment_groups`
     ) -> torch.Tensor:  # [num_patches, hidden] float
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         out: torch.Tensor = x + self.mlp(self.norm2(x))
         return out
 
@@ -187,7 +201,9 @@ class Qwen2_5_VisionTransformer(nn.Module):
     ) -> torch.Tensor:  # [total_patches / merge^2, out_hidden_size] float, in image order
         positions = self._rope_positions(grid_thw)  # [total_patches, 2] (h, w)
         window_index, cu_window = self._window_index(grid_thw)
-        cu_full = np.cumsum([0] + [h * w for t, h, w in grid_thw for _ in range(t)]).tolist()
+        cu_full = np.cumsum([0] + [h * w for t, h, w in grid_thw for _ in range(t)])
+        full = segment_groups(cu_full, pixel_values.device)  # each frame of each image
+        windows = segment_groups(cu_window, pixel_values.device)
         unit = self.merge_size**2
         order = torch.from_numpy(window_index).to(pixel_values.device)
 
@@ -200,7 +216,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         angles = to_window_order(torch.cat([half, half], dim=-1))
         cos, sin = angles.cos(), angles.sin()
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cu_full if i in self.fullatt_block_indexes else cu_window)
+            x = block(x, cos, sin, full if i in self.fullatt_block_indexes else windows)
         merged: torch.Tensor = self.merger(x)
         return merged[torch.argsort(order)]
 

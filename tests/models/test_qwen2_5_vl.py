@@ -331,3 +331,15 @@ def test_tensor_parallel_language_model(qwen_dir: Path, llm: LLM) -> None:
     expected = generate(llm, TWO, images).outputs[0].token_ids
     with make_llm(qwen_dir, tensor_parallel_size=2) as parallel:
         assert list(generate(parallel, TWO, images).outputs[0].token_ids) == list(expected)
+
+
+def test_registry_runs_qwen2_5_vl_natively_only() -> None:
+    from transformers import Qwen2_5_VLConfig
+
+    from pagedserve.errors import UnsupportedModelError
+    from pagedserve.models.registry import check_model_impl
+
+    config = Qwen2_5_VLConfig(architectures=["Qwen2_5_VLForConditionalGeneration"])
+    assert check_model_impl(config, "auto") == "pagedserve"
+    with pytest.raises(UnsupportedModelError, match="multimodal model .* text_config"):
+        check_model_impl(config, "transformers")
