@@ -78,12 +78,13 @@ class MultiModalFeatureData(msgspec.Struct, array_like=True, frozen=True, gc=Fal
     `feature_from_data` convert, where numpy is loaded anyway)."""
 
     pixel_bytes: bytes  # the C-order bytes of pixel_values
-    pixel_shape: list[int]  # [num_channels, height, width]
+    pixel_shape: list[int]  # MultiModalFeature.pixel_values' shape
     pixel_dtype: str  # numpy dtype name, e.g. "float32"
     offset: int  # position of the image's first placeholder token in the prompt
     length: int  # number of placeholder tokens
     identifier: str  # content hash (sha256 hex of the pixels)
     modality: str = "image"
+    grid_thw: list[int] | None = None  # Qwen2-VL's patch grid (t, h, w); None: LLaVA's
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):

@@ -75,6 +75,7 @@ def feature_to_data(feature: MultiModalFeature) -> MultiModalFeatureData:
         feature.length,
         feature.identifier,
         feature.modality,
+        None if feature.grid_thw is None else list(feature.grid_thw),
     )
 
 
@@ -84,7 +85,8 @@ def feature_from_data(data: MultiModalFeatureData) -> MultiModalFeature:
     pixels = np.frombuffer(data.pixel_bytes, dtype=np.dtype(data.pixel_dtype))
     # frombuffer's array is read-only; a copy lets torch.from_numpy share it without a warning.
     pixels = pixels.reshape(data.pixel_shape).copy()
-    return MultiModalFeature(pixels, data.offset, data.length, data.identifier, data.modality)
+    grid = None if data.grid_thw is None else (data.grid_thw[0], data.grid_thw[1], data.grid_thw[2])
+    return MultiModalFeature(pixels, data.offset, data.length, data.identifier, data.modality, grid)
 
 
 def run_engine_core(

@@ -31,6 +31,7 @@ _MODELS: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
         "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
         "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+        "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     }
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
@@ -39,7 +40,9 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
 _UNQUANTIZED_ONLY = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
 # Multimodal architectures (the language model's config in `text_config`) that our native
 # code runs; the transformers backend runs none.
-MULTIMODAL_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+MULTIMODAL_ARCHITECTURES = frozenset(
+    {"LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+)
 
 
 def resolve_model_impl(architectures: list[str], model_impl: str, hf_config: Any) -> str:
@@ -84,7 +87,7 @@ def check_model_impl(
     the transformers backend (each naming the option and the way out); NotImplementedError
     for a quantization method with a native mixture-of-experts model (naming the method).
     A multimodal config runs natively when its architecture is in MULTIMODAL_ARCHITECTURES
-    (LLaVA), with model_impl other than "transformers".
+    (LLaVA, Qwen2.5-VL), with model_impl other than "transformers".
     """
     architectures = list(getattr(hf_config, "architectures", None) or [])
     native_multimodal = model_impl != "transformers" and any(

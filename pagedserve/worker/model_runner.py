@@ -7,6 +7,7 @@ Start-up (model loading, KV cache sizing and allocation, CUDA graphs, warm-up) i
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,6 +71,11 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
         self.backend = get_attention_backend(config.device_config.attention_backend, self.device)
 
+    @property
+    def uses_mrope(self) -> bool:
+        """Whether the model takes M-RoPE positions [3, num_tokens] (Qwen2.5-VL)."""
+        return bool(getattr(self.model, "uses_mrope", False))
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled tokens."""
         return self.execute_model_async(scheduler_output).result()
@@ -98,7 +104,9 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return AsyncModelRunnerOutput(ModelRunnerOutput([], [], []))
         started = _timing_event(self.device)
-        model_input = build_model_input(scheduler_output, self.states, self.block_size, self.device)
+        model_input = build_model_input(
+            scheduler_output, self.states, self.block_size, self.device, self.uses_mrope
+        )
         if model_input.placeholder_request_ids:
             self._fill_placeholders(model_input)
         assert self.model is not None
@@ -198,13 +206,20 @@ class ModelRunner:
         self.sampling_states.add_request(new.request_id, new.sampling_params, new.prompt_token_ids)
         if new.mm_features:
             self._image_request_ids.add(new.request_id)
-        return CachedRequestState(
+        state = CachedRequestState(
             new.request_id,
             new.num_prompt_tokens,
             new.sampling_params,
             new.prompt_token_ids,
             mm_features=new.mm_features,
         )
+        if self.uses_mrope:  # once per request: its prompt's 3-D positions and their delta
+            model: Any = self.model
+            positions, delta = model.get_mrope_input_positions(
+                new.prompt_token_ids, new.mm_features
+            )
+            state.mrope_positions, state.mrope_position_delta = positions, delta
+        return state
 
     def _sampling_metadata(self, model_input: ModelInput) -> SamplingMetadata:
         return self.sampling_states.build_metadata(

@@ -218,6 +218,7 @@ def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
             runner.config.model_config.max_model_len,
             runner.block_size,
             runner.device,
+            runner.uses_mrope,
         )
         logger.info("capturing CUDA graphs for decode batches (--enforce-eager skips this)")
         start = time.perf_counter()
