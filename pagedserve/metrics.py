@@ -2,8 +2,10 @@
 periodic stats log line; and ours: the steps' roofline figures (MBU, MFU; see `roofline`)."""
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -80,6 +82,12 @@ class EngineMetrics:
     of the step that made the last token, inference the two together.
     `max_model_len` (tokens) bounds the buckets of token counts.
 
+    `engine` (None: no such label) labels every series `engine="<engine>"`, as vLLM's
+    metrics of data-parallel engine cores: make one EngineMetrics per core, each with its
+    index, on one `registry`; the collectors are shared and summing over the label gives
+    the whole server's figures (ValueError when engines of one registry differ in having
+    the label).
+
     Roofline figures of each step that ran a forward (`record_step_cost`): MBU, the bytes it
     must read / its seconds / the device's peak bandwidth, and MFU, its FLOPs / its seconds /
     the peak FLOP/s (fractions; one rank's, on one device's peaks). `peaks` (default: the
@@ -97,23 +105,42 @@ class EngineMetrics:
         max_model_len: int,
         registry: CollectorRegistry | None = None,
         peaks: Peaks | None = None,
+        engine: str | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = {"model_name": model_name}
+        if engine is not None:
+            # vLLM's label of data-parallel engine cores ("0", "1", ...): one EngineMetrics
+            # per core, all in one registry; a sum over the label gives the server's figures.
+            labels["engine"] = engine
+        self.engine = engine
+        families = _families(self.registry)
         name = "pagedserve:"
 
+        def family(kind: Any, metric: str, doc: str, extra: tuple[str, ...] = (), **kw: Any) -> Any:
+            """The collector `metric` of this registry (made by the first engine's metrics),
+            checked to have this engine's label names."""
+            label_names = (*labels, *extra)
+            collector = families.get(metric)
+            if collector is None:
+                collector = kind(name + metric, doc, label_names, registry=self.registry, **kw)
+                families[metric] = collector
+            elif tuple(collector._labelnames) != label_names:
+                raise ValueError(
+                    f"metric {metric} is registered with labels {collector._labelnames}, not "
+                    f"{label_names}: give every engine of one registry an engine label, or none"
+                )
+            return collector
+
         def gauge(metric: str, doc: str) -> Gauge:
-            return Gauge(name + metric, doc, list(labels), registry=self.registry).labels(**labels)
+            return family(Gauge, metric, doc).labels(**labels)  # type: ignore[no-any-return]
 
         def counter(metric: str, doc: str) -> Counter:
-            collector = Counter(name + metric, doc, list(labels), registry=self.registry)
-            return collector.labels(**labels)
+            return family(Counter, metric, doc).labels(**labels)  # type: ignore[no-any-return]
 
         def histogram(metric: str, doc: str, buckets: list[float]) -> Histogram:
-            collector = Histogram(
-                name + metric, doc, list(labels), buckets=buckets, registry=self.registry
-            )
-            return collector.labels(**labels)
+            collector = family(Histogram, metric, doc, buckets=buckets)
+            return collector.labels(**labels)  # type: ignore[no-any-return]
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
@@ -123,15 +150,14 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
-        success = Counter(
-            name + "request_success",
+        success = family(
+            Counter,
+            "request_success",
             "Finished sequences, by finish reason.",
-            [*labels, "finished_reason"],
-            registry=self.registry,
+            ("finished_reason",),
         )
         self.request_success = {
-            reason: success.labels(model_name=model_name, finished_reason=reason)
-            for reason in FINISHED_REASONS
+            reason: success.labels(**labels, finished_reason=reason) for reason in FINISHED_REASONS
         }
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
@@ -356,13 +382,25 @@ class EngineMetrics:
         if interval.step_seconds > 0 and self.peaks.flops is not None:
             mfu = interval.step_flops / interval.step_seconds / self.peaks.flops
             roofline += f", MFU: {100.0 * mfu:.1f}%"
+        prefix = "" if self.engine is None else f"Engine {int(self.engine):03d}: "  # vLLM's
         return (
-            f"Avg prompt throughput: {interval.num_prompt_tokens / seconds:.1f} tokens/s, "
+            f"{prefix}Avg prompt throughput: {interval.num_prompt_tokens / seconds:.1f} tokens/s, "
             f"Avg generation throughput: {interval.num_generation_tokens / seconds:.1f} tokens/s, "
             f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
             f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {hit_rate:.1f}%{roofline}"
         )
+
+
+_FAMILIES: "weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Any]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _families(registry: CollectorRegistry) -> dict[str, Any]:
+    """The engine collectors made in `registry` so far, by metric name (without the
+    prefix): the engines of one registry share them, each with its own `engine` label."""
+    return _FAMILIES.setdefault(registry, {})
 
 
 @dataclass(slots=True)

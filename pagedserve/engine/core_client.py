@@ -47,8 +47,18 @@ class EngineCoreClient:
     that fails). `send_*` never block; they raise EngineDeadError once the core is gone.
     """
 
-    def __init__(self, engine_args: EngineArgs, wait: bool = True) -> None:
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        wait: bool = True,
+        *,
+        dp_rank: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`dp_rank`: the core's index under data parallelism (None without: one core);
+        `env`: environment variables the core process sets first (its GPUs)."""
         check_not_importing_main()
+        self.dp_rank = dp_rank
         self._closed = False
         self._tmpdir = tempfile.mkdtemp(prefix="pagedserve-")
         input_address = f"ipc://{self._tmpdir}/input"
@@ -75,8 +85,10 @@ class EngineCoreClient:
                 output_address,
                 ready_writer,
                 os.getpid(),
+                dp_rank,
+                env,
             ),
-            name="EngineCore",
+            name="EngineCore" if dp_rank is None else f"EngineCore_DP{dp_rank}",
         )
         self._started = time.monotonic()
         with main_not_reimported():  # a script without a main guard works too
@@ -193,8 +205,9 @@ class EngineCoreClient:
         return message
 
     def death_message(self) -> str:
+        which = "" if self.dp_rank is None else f" of data-parallel rank {self.dp_rank}"
         return (
-            f"the engine core process is dead (exit code {self.process.exitcode}); "
+            f"the engine core process{which} is dead (exit code {self.process.exitcode}); "
             f"restart the server"
         )
 

@@ -230,6 +230,16 @@ class LLMEngine:
         # (build_processors, register_request) and must not load the model code.
         from pagedserve.engine.core import EngineCore
 
+        dp_size = config.parallel_config.data_parallel_size
+        if dp_size > 1:
+            # vLLM runs offline data parallelism as one process per rank, each with its own
+            # LLM; one in-process engine here drives a single engine core.
+            raise NotImplementedError(
+                f"data_parallel_size {dp_size} is not supported by the offline LLM class / "
+                f"LLMEngine (one in-process engine core); serve the model with "
+                f"`pagedserve serve --data-parallel-size {dp_size}` (AsyncLLMEngine), or run "
+                f"one LLM per process"
+            )
         self.config = config
         self.tokenizer, self.input_processor, self.output_processor = build_processors(config)
         log_generation_defaults(config.model_config)
