@@ -382,7 +382,7 @@ class ParallelConfig:
         1,
         help="number of engine cores behind one API server, each with its own "
         "tensor_parallel_size ranks (on GPUs, core i takes GPUs i*tp .. (i+1)*tp-1); each "
-        "request runs on the least loaded core (server only; not the offline LLM class)",
+        "request runs on the least loaded core (the server's and the offline LLM's)",
         cli={"aliases": ["-dp"]},
     )
     distributed_executor_backend: str | None = option(

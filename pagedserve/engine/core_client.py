@@ -54,9 +54,12 @@ class EngineCoreClient:
         *,
         dp_rank: int | None = None,
         env: dict[str, str] | None = None,
+        blocking: bool = False,
     ) -> None:
         """`dp_rank`: the core's index under data parallelism (None without: one core);
-        `env`: environment variables the core process sets first (its GPUs)."""
+        `env`: environment variables the core process sets first (its GPUs); `blocking`:
+        outputs are read with `receive_blocking` (a caller without an event loop: the
+        offline LLMEngine), else with the coroutine `receive`."""
         check_not_importing_main()
         self.dp_rank = dp_rank
         self._closed = False
@@ -70,7 +73,8 @@ class EngineCoreClient:
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
         self._async_context = zmq.asyncio.Context()
-        self._output = self._async_context.socket(zmq.PULL)
+        # (a zmq.asyncio socket, or a plain one for `blocking`)
+        self._output: Any = (self._context if blocking else self._async_context).socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
@@ -200,6 +204,16 @@ class EngineCoreClient:
     async def receive(self) -> EngineCoreOutputs:
         """The next outputs message. Raises EngineDeadError when the core reports a failure."""
         message = decode_to_server(await self._output.recv())
+        if isinstance(message, EngineCoreError):
+            raise EngineDeadError(f"the engine core failed:\n{message.traceback}")
+        return message
+
+    def receive_blocking(self, timeout_s: float) -> EngineCoreOutputs | None:
+        """The next outputs message, waiting up to `timeout_s` (None when none came); for a
+        client made with `blocking`. Raises EngineDeadError as `receive`."""
+        if not self._output.poll(int(timeout_s * 1000)):
+            return None
+        message = decode_to_server(self._output.recv())
         if isinstance(message, EngineCoreError):
             raise EngineDeadError(f"the engine core failed:\n{message.traceback}")
         return message

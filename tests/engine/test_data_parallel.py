@@ -1,6 +1,7 @@
 """Data parallelism's parts: which core takes a request (CoreLoads), each core's GPUs
-(core_envs), the option errors, and an AsyncLLMEngine of two cores whose aborts reach the
-core that runs the request. The real server: tests/entrypoints/openai/test_data_parallel_server.py."""
+(core_envs), the option errors, an AsyncLLMEngine of two cores whose aborts reach the
+core that runs the request, and the offline LLM on two cores. The real server:
+tests/entrypoints/openai/test_data_parallel_server.py."""
 
 import asyncio
 import time
@@ -13,6 +14,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.data_parallel import CoreLoads, core_envs
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.errors import EngineDeadError
 from pagedserve.metrics import EngineMetrics
 
 ENGINE_ARGS: dict[str, Any] = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=8 << 20)
@@ -68,8 +71,9 @@ def test_each_core_sees_its_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_option_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="data_parallel_size must be at least 1, got 0"):
         EngineArgs(data_parallel_size=0).create_engine_config()
-    with pytest.raises(NotImplementedError, match="data_parallel_size 2 is not supported by"):
-        LLM(data_parallel_size=2, device="cpu")
+    config = EngineArgs(data_parallel_size=2, **ENGINE_ARGS).create_engine_config()
+    with pytest.raises(ValueError, match="use LLMEngine.from_engine_args"):
+        LLMEngine(config)  # the cores are started from the options
     with pytest.raises(ValueError, match="pass no metrics"):
         AsyncLLMEngine(
             EngineArgs(data_parallel_size=2, **ENGINE_ARGS), metrics=EngineMetrics("m", 256)
@@ -118,3 +122,33 @@ def test_aborts_reach_the_core_that_runs_the_request() -> None:
         asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+def test_offline_llm_on_two_cores_equals_one() -> None:
+    prompts = ["Once upon a time", "Lily and Ben", "The cat", "One day"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, n=2)
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+    with LLM(**ENGINE_ARGS) as llm:
+        expected = [o.outputs for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        expected_seeded = llm.generate(prompts[0], seeded, use_tqdm=False)[0].outputs[0].text
+    with LLM(data_parallel_size=2, **ENGINE_ARGS) as llm:
+        got = [o.outputs for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert [[c.text for c in o] for o in got] == [[c.text for c in o] for o in expected]
+        # the same seeded request on either core: the seed decides its text
+        engine, core = llm.llm_engine, llm.llm_engine.engine_core
+        for request_id in ("s0", "s1"):
+            engine.add_request(request_id, prompts[0], seeded)
+        assert sorted(core._unit_core.values()) == [0, 1]  # one on each core
+        texts: dict[str, str] = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    texts[output.request_id] = output.outputs[0].text
+        assert texts == {"s0": expected_seeded, "s1": expected_seeded}
+        assert not core._unit_of and core._loads.num_unfinished == [0, 0]
+        # a core that dies fails the engine
+        engine.add_request("doomed", prompts[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        core.cores[1].process.kill()
+        with pytest.raises(EngineDeadError, match="data-parallel rank 1"):
+            while engine.has_unfinished_requests():
+                engine.step()
