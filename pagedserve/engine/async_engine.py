@@ -27,7 +27,7 @@ from pagedserve.errors import (
     RequestFailedError,
 )
 from pagedserve.messages import EngineCoreOutputs
-from pagedserve.metrics import EngineMetrics
+from pagedserve.metrics import EngineMetrics, engine_metrics
 from pagedserve.outputs import RequestOutput
 from pagedserve.roofline import device_peaks
 from pagedserve.sampling_params import SamplingParams
@@ -89,14 +89,12 @@ class AsyncLLMEngine:
         self.log_stats = log_stats
         self.log_stats_interval_s = log_stats_interval_s
         name = served_model_name or model_config.model_name
-        if metrics is None:
-            engine = None if dp_size == 1 else "0"
-            metrics = EngineMetrics(name, model_config.max_model_len, engine=engine)
-        self.metrics = metrics
-        self.engine_metrics = [metrics] + [
-            EngineMetrics(name, model_config.max_model_len, metrics.registry, engine=str(i))
-            for i in range(1, dp_size)
-        ]
+        self.engine_metrics = (
+            [metrics]
+            if metrics is not None
+            else engine_metrics(name, model_config.max_model_len, dp_size)
+        )
+        self.metrics = self.engine_metrics[0]
         self.streams: dict[str, RequestStream] = {}
         self._core_of: dict[str, int] = {}  # request id -> index of the core running it
         self._loads = CoreLoads(dp_size)

@@ -125,15 +125,22 @@ def start_options(config: EngineConfig) -> tuple[list[dict[str, str]], Any]:
     return [env | cluster.env for env in envs], cluster
 
 
-def start_cores(engine_args: EngineArgs, envs: list[dict[str, str]]) -> list[EngineCoreClient]:
+def start_cores(
+    engine_args: EngineArgs, envs: list[dict[str, str]], blocking: bool = False
+) -> list[EngineCoreClient]:
     """Start one engine core per entry of `envs` (`start_options`), without waiting for them
     to be ready: they load at once. One entry: the core of an engine without data
-    parallelism (no rank). If one fails to start, those already started are stopped."""
+    parallelism (no rank). `blocking`: see EngineCoreClient. If one fails to start, those
+    already started are stopped."""
     cores: list[EngineCoreClient] = []
     try:
         for rank, env in enumerate(envs):
             dp_rank = None if len(envs) == 1 else rank
-            cores.append(EngineCoreClient(engine_args, wait=False, dp_rank=dp_rank, env=env))
+            cores.append(
+                EngineCoreClient(
+                    engine_args, wait=False, dp_rank=dp_rank, env=env, blocking=blocking
+                )
+            )
     except BaseException:
         for core in cores:
             core.shutdown()

@@ -8,19 +8,15 @@ whatever outputs the cores have sent, waiting for the first.
 """
 
 import dataclasses
-import logging
-import time
 from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_client import EngineCoreClient
-from pagedserve.engine.data_parallel import CoreLoads, start_options
+from pagedserve.engine.data_parallel import CoreLoads, start_cores, start_options
 from pagedserve.errors import EngineDeadError
 from pagedserve.messages import EngineCoreOutput
 from pagedserve.request import Request, RequestStatus
-
-logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how long `step` waits on one core before it looks at the next (and deaths)
 
@@ -46,10 +42,7 @@ class DataParallelEngineCore:
         )
         self.cores: list[EngineCoreClient] = []
         try:
-            for rank, env in enumerate(envs):
-                self.cores.append(
-                    EngineCoreClient(args, wait=False, dp_rank=rank, env=env, blocking=True)
-                )
+            self.cores = start_cores(args, envs, blocking=True)
             for core in self.cores:
                 core.wait_ready()
         except BaseException:
@@ -175,9 +168,7 @@ class DataParallelEngineCore:
 
     def shutdown(self) -> None:
         """Stop every core (and leave a Ray cluster joined for them); idempotent."""
-        started = time.monotonic()
         for core in self.cores:
             core.shutdown()
         if self._ray_cluster is not None:
             self._ray_cluster.shutdown()
-        logger.debug("data-parallel cores stopped in %.1f s", time.monotonic() - started)
