@@ -1,39 +1,60 @@
-"""Data parallelism behind one API server (vLLM's `--data-parallel-size`): the engine cores'
-devices and Ray cluster, and which core takes a request.
+"""Data parallelism (vLLM's `--data-parallel-size`): the engine cores' devices, ports and
+Ray cluster, and which core takes a request.
 
-AsyncLLMEngine starts `data_parallel_size` engine-core processes, each with its own
-`tensor_parallel_size` ranks (its own executor, torch.distributed group and port: each
-executor picks a free one). On GPUs core i sees only GPUs i*tp .. (i+1)*tp-1 of those this
-process sees (its CUDA_VISIBLE_DEVICES), so its ranks take cuda:0 .. cuda:tp-1 as they do
-without data parallelism. With the Ray backend the cores' ranks are Ray actors on one Ray
-cluster, which places them on GPUs itself. Each request goes to the least loaded core
-(`CoreLoads`) and stays there; its aborts follow it.
+AsyncLLMEngine (and the offline LLMEngine, through `dp_engine_core`) starts
+`data_parallel_size` engine-core processes, each with its own `tensor_parallel_size` ranks
+(its own executor and torch.distributed group, on a rendezvous port of its own). On GPUs core
+i sees only GPUs i*tp .. (i+1)*tp-1 of those this process sees (its CUDA_VISIBLE_DEVICES),
+so its ranks take cuda:0 .. cuda:tp-1 as they do without data parallelism. With the Ray
+backend the cores' ranks are Ray actors on one Ray cluster, which places them on GPUs itself.
+Each request goes to the least loaded core (`CoreLoads`) and stays there; its aborts follow it.
 """
 
+import contextlib
 import os
+import socket
 from typing import Any
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_client import EngineCoreClient
+from pagedserve.envs import DISTRIBUTED_PORT
 
 
 def core_envs(config: EngineConfig) -> list[dict[str, str]]:
     """The environment variables each engine core sets first, by data-parallel rank: its
-    GPUs (CUDA_VISIBLE_DEVICES) where the ranks run on this host's GPUs; nothing on a CPU or
-    with the Ray backend (Ray hands each actor its GPU).
+    GPUs (CUDA_VISIBLE_DEVICES) where the ranks run on this host's GPUs (nothing on a CPU or
+    with the Ray backend, which hands each actor its GPU), and with several cores of
+    multiprocess ranks, its group's own rendezvous port (PAGEDSERVE_DISTRIBUTED_PORT).
 
     Raises ValueError naming data_parallel_size, tensor_parallel_size and the device count
     when the cores need more GPUs than this process sees."""
     parallel = config.parallel_config
+    dp_size = parallel.data_parallel_size
+    envs: list[dict[str, str]] = [{} for _ in range(dp_size)]
+    if dp_size == 1:
+        return envs
+    if parallel.executor_backend == "mp":
+        for env, port in zip(envs, _distinct_free_ports(dp_size), strict=True):
+            env[DISTRIBUTED_PORT] = str(port)
+    for env, gpus in zip(envs, _core_gpus(config), strict=True):
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+    return envs
+
+
+def _core_gpus(config: EngineConfig) -> list[str]:
+    """Each core's CUDA_VISIBLE_DEVICES value; empty strings where the GPUs are not ours to
+    choose (a CPU engine, Ray). Raises ValueError as `core_envs`."""
+    parallel = config.parallel_config
     dp_size, tp_size = parallel.data_parallel_size, parallel.tensor_parallel_size
     device = config.device_config.device
     if parallel.executor_backend == "ray" or device.startswith("cpu"):
-        return [{} for _ in range(dp_size)]
+        return [""] * dp_size
     import torch
 
     if device == "auto" and not torch.cuda.is_available():
-        return [{} for _ in range(dp_size)]
+        return [""] * dp_size
     num_gpus = torch.cuda.device_count()
     if dp_size * tp_size > num_gpus:
         raise ValueError(
@@ -44,10 +65,18 @@ def core_envs(config: EngineConfig) -> list[dict[str, str]]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     # Entries may be indices or UUIDs; torch counts only those before the first invalid one.
     gpus = [g.strip() for g in visible.split(",")] if visible else [str(i) for i in range(num_gpus)]
-    return [
-        {"CUDA_VISIBLE_DEVICES": ",".join(gpus[rank * tp_size : (rank + 1) * tp_size])}
-        for rank in range(dp_size)
-    ]
+    return [",".join(gpus[rank * tp_size : (rank + 1) * tp_size]) for rank in range(dp_size)]
+
+
+def _distinct_free_ports(count: int) -> list[int]:
+    """`count` different TCP ports that are free now (held open together while chosen)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("", 0))
+            ports.append(int(sock.getsockname()[1]))
+    return ports
 
 
 class RayCluster:

@@ -55,17 +55,25 @@ def gpu_config(monkeypatch: pytest.MonkeyPatch, dp: int, tp: int, visible: str |
 
 def test_each_core_sees_its_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     config = gpu_config(monkeypatch, 2, 2, "3,5,6,7")
-    assert core_envs(config) == [
-        {"CUDA_VISIBLE_DEVICES": "3,5"},
-        {"CUDA_VISIBLE_DEVICES": "6,7"},
-    ]
+    envs = core_envs(config)
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["3,5", "6,7"]
     config = gpu_config(monkeypatch, 4, 1, None)
-    assert [env["CUDA_VISIBLE_DEVICES"] for env in core_envs(config)] == ["0", "1", "2", "3"]
+    envs = core_envs(config)
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["0", "1", "2", "3"]
+    assert all("PAGEDSERVE_DISTRIBUTED_PORT" not in env for env in envs)  # one rank each
     config = gpu_config(monkeypatch, 3, 2, None)
     with pytest.raises(ValueError, match=r"data_parallel_size \(3\) x tensor_parallel_size \(2\)"):
         core_envs(config)
-    cpu = EngineArgs(device="cpu", data_parallel_size=2).create_engine_config()
-    assert core_envs(cpu) == [{}, {}]  # nothing to choose on a CPU
+
+
+def test_each_tensor_parallel_group_has_its_own_port() -> None:
+    cpu = EngineArgs(device="cpu", data_parallel_size=3, tensor_parallel_size=2)
+    ports = [
+        env.pop("PAGEDSERVE_DISTRIBUTED_PORT") for env in core_envs(cpu.create_engine_config())
+    ]
+    assert len(set(ports)) == 3
+    one_rank = EngineArgs(device="cpu", data_parallel_size=2).create_engine_config()
+    assert core_envs(one_rank) == [{}, {}]  # nothing to choose for one CPU rank each
 
 
 def test_option_errors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,3 +160,15 @@ def test_offline_llm_on_two_cores_equals_one() -> None:
         with pytest.raises(EngineDeadError, match="data-parallel rank 1"):
             while engine.has_unfinished_requests():
                 engine.step()
+
+
+def test_distributed_port_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedserve import envs
+
+    monkeypatch.setenv("PAGEDSERVE_DISTRIBUTED_PORT", "29555")
+    assert envs.distributed_port() == 29555
+    monkeypatch.setenv("PAGEDSERVE_DISTRIBUTED_PORT", "70000")
+    with pytest.raises(ValueError, match="PAGEDSERVE_DISTRIBUTED_PORT must be a port number"):
+        envs.distributed_port()
+    monkeypatch.delenv("PAGEDSERVE_DISTRIBUTED_PORT")
+    assert envs.distributed_port() is None
