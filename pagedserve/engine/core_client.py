@@ -208,6 +208,12 @@ class EngineCoreClient:
             raise EngineDeadError(f"the engine core failed:\n{message.traceback}")
         return message
 
+    @property
+    def output_socket(self) -> zmq.Socket[bytes]:
+        """The socket the outputs arrive on, for a zmq.Poller over several blocking clients."""
+        socket: zmq.Socket[bytes] = self._output
+        return socket
+
     def receive_blocking(self, timeout_s: float) -> EngineCoreOutputs | None:
         """The next outputs message, waiting up to `timeout_s` (None when none came); for a
         client made with `blocking`. Raises EngineDeadError as `receive`."""

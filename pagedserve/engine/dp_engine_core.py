@@ -10,6 +10,8 @@ whatever outputs the cores have sent, waiting for the first.
 import dataclasses
 from typing import Any
 
+import zmq
+
 from pagedserve.config import EngineConfig
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_client import EngineCoreClient
@@ -18,7 +20,7 @@ from pagedserve.errors import EngineDeadError
 from pagedserve.messages import EngineCoreOutput
 from pagedserve.request import Request, RequestStatus
 
-_POLL_S = 0.05  # how long `step` waits on one core before it looks at the next (and deaths)
+_POLL_S = 0.05  # how long `step` waits for outputs before it checks the cores are alive
 
 
 class DataParallelEngineCore:
@@ -58,7 +60,9 @@ class DataParallelEngineCore:
         self._unit_core: dict[str, int] = {}
         self._num_live: dict[str, int] = {}
         self._dead: str | None = None
-        self._next_poll = 0
+        self._poller = zmq.Poller()
+        for core in self.cores:
+            self._poller.register(core.output_socket, zmq.POLLIN)
         self.step_cost = (0.0, 0.0)
         self.step_tokens = 0
         self.step_seconds = 0.0
@@ -126,21 +130,17 @@ class DataParallelEngineCore:
         outputs: list[EngineCoreOutput] = []
         while self._unit_of and not outputs:
             self._check_alive()
-            # Wait on each core in turn: the first to answer ends the wait, then every
-            # core's waiting messages are taken.
-            index = self._next_poll
-            self._next_poll = (index + 1) % len(self.cores)
-            outputs += self._take(index, _POLL_S)
-            for other in range(len(self.cores)):
-                outputs += self._take(other, 0.0)
+            # Wake when any core has sent outputs (or after _POLL_S, to notice deaths).
+            self._poller.poll(int(_POLL_S * 1000))
+            for index in range(len(self.cores)):
+                outputs += self._take(index)
         return outputs
 
-    def _take(self, index: int, timeout_s: float) -> list[EngineCoreOutput]:
-        """Core `index`'s waiting messages (waiting up to `timeout_s` for the first)."""
+    def _take(self, index: int) -> list[EngineCoreOutput]:
+        """The outputs of core `index`'s waiting messages."""
         outputs: list[EngineCoreOutput] = []
         try:
-            while (message := self.cores[index].receive_blocking(timeout_s)) is not None:
-                timeout_s = 0.0
+            while (message := self.cores[index].receive_blocking(0.0)) is not None:
                 outputs += message.outputs
                 self._loads.report(index, message.stats.kv_cache_usage)
                 self.step_cost = (

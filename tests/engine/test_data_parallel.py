@@ -154,8 +154,15 @@ def test_offline_llm_on_two_cores_equals_one() -> None:
                     texts[output.request_id] = output.outputs[0].text
         assert texts == {"s0": expected_seeded, "s1": expected_seeded}
         assert not core._unit_of and core._loads.num_unfinished == [0, 0]
+        # an abort reaches the request's core, which stops counting it
+        long = SamplingParams(max_tokens=200, ignore_eos=True, n=2)
+        engine.add_request("gone", prompts[0], long)
+        assert set(core._unit_core.values()) == {0} and core._loads.num_unfinished == [1, 0]
+        engine.step()
+        [final] = engine.abort_request("gone")
+        assert final.finished and not core._unit_of and core._loads.num_unfinished == [0, 0]
         # a core that dies fails the engine
-        engine.add_request("doomed", prompts[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        engine.add_request("doomed", prompts[0], long)
         core.cores[1].process.kill()
         with pytest.raises(EngineDeadError, match="data-parallel rank 1"):
             while engine.has_unfinished_requests():
