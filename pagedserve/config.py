@@ -380,7 +380,7 @@ class ParallelConfig:
         help="number of tensor-parallel ranks (each holds a 1/size shard of every layer)",
         cli={"aliases": ["-tp"]},
     )
-    # vLLM's -pp / -dp spellings parse; sizes above 1 are refused until issue 19 builds them.
+    # vLLM's -pp spelling parses; sizes above 1 are refused until issue 19 builds them.
     pipeline_parallel_size: int = option(
         1,
         help="number of pipeline stages (only 1: pipeline parallelism is not built yet)",
@@ -388,7 +388,9 @@ class ParallelConfig:
     )
     data_parallel_size: int = option(
         1,
-        help="number of engine replicas (only 1: data parallelism is not built yet)",
+        help="number of engine cores behind one API server, each with its own "
+        "tensor_parallel_size ranks (on GPUs, core i takes GPUs i*tp .. (i+1)*tp-1); each "
+        "request runs on the least loaded core (the server's and the offline LLM's)",
         cli={"aliases": ["-dp"]},
     )
     distributed_executor_backend: str | None = option(
@@ -413,12 +415,16 @@ class ParallelConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(
-                    f"{name} must be 1: {name.split('_')[0]} parallelism is not supported yet "
-                    f"(got {getattr(self, name)}); tensor_parallel_size splits a model over GPUs"
-                )
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be 1: pipeline parallelism is not supported yet "
+                f"(got {self.pipeline_parallel_size}); tensor_parallel_size splits a model over "
+                f"GPUs"
+            )
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be at least 1, got {self.data_parallel_size}"
+            )
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(
@@ -532,6 +538,14 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def __post_init__(self) -> None:
+        device = self.device_config.device
+        dp_size = self.parallel_config.data_parallel_size
+        if dp_size > 1 and re.fullmatch(r"cuda:\d+", device):
+            raise ValueError(
+                f"device {device!r} names one GPU, but data_parallel_size is {dp_size}: each "
+                f"engine core needs its own GPUs; use device='cuda' and choose the GPUs with "
+                f"CUDA_VISIBLE_DEVICES"
+            )
         _check_tensor_parallel_size(
             self.model_config.hf_text_config, self.parallel_config.tensor_parallel_size
         )

@@ -95,11 +95,15 @@ def run_engine_core(
     output_address: str,
     ready_pipe: Any,
     parent_pid: int,
+    dp_rank: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
-    """Main of the engine-core process (started with the 'spawn' context)."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s (EngineCore) %(name)s: %(message)s"
-    )
+    """Main of the engine-core process (started with the 'spawn' context). `dp_rank`: this
+    core's index under data parallelism (None without), shown in its log lines; `env`: the
+    variables it sets first, before anything reads them (its GPUs: CUDA_VISIBLE_DEVICES)."""
+    os.environ.update(env or {})
+    name = "EngineCore" if dp_rank is None else f"EngineCore_DP{dp_rank}"
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s ({name}) %(name)s: %(message)s")
     # Ctrl-C, or a SIGTERM sent to the whole process group (timeout, systemd), reaches the
     # server too, which then stops us with "shutdown": dying first would look like a crash.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.parallel_state import get_open_port
 from pagedserve.errors import EngineDeadError
@@ -78,7 +79,8 @@ class MultiprocExecutor(RankGroupExecutor):
         self.timeout_s = parallel_config.distributed_timeout_s
         self.dead_reason: str | None = None
         self.device_type = resolve_device(config.device_config.device).type
-        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        # (a data-parallel engine gives each core's group its own port; else any free one)
+        init_method = f"tcp://127.0.0.1:{envs.distributed_port() or get_open_port()}"
         context = _start_context(config)
         # Never written: its reader sees EOF when the engine's process ends.
         engine_alive_reader, self._engine_alive = context.Pipe(duplex=False)
