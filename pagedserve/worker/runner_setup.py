@@ -14,9 +14,11 @@ import time
 import torch
 
 from pagedserve.attention.kv_quant import kv_cache_torch_dtype
+from pagedserve.kv_cache.cpu_blocks import cpu_block_counts
 from pagedserve.layers.attention import Attention
 from pagedserve.models.loader import load_model as load_checkpoint
 from pagedserve.step import SchedulerOutput
+from pagedserve.worker.cpu_kv_cache import CpuKVCache
 from pagedserve.worker.cuda_graph import CudaGraphRunner
 from pagedserve.worker.dummy_steps import profiling_step, warm_up_steps
 from pagedserve.worker.model_runner import ModelRunner
@@ -188,10 +190,17 @@ def _profile_num_blocks(runner: ModelRunner) -> int:
 
 
 def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
-    """Allocate the KV cache, then capture CUDA graphs for decode batches when they apply
+    """Allocate the KV cache and its CPU blocks (swap space, the prefix cache's CPU tier:
+    `cpu_block_counts`), then capture CUDA graphs for decode batches when they apply
     (CUDA device, a graph-capturable backend, and not `enforce_eager`), then warm up (CUDA).
     Raises ValueError when the cache does not fit (see `_allocate_kv_cache`)."""
     _allocate_kv_cache(runner, num_blocks)
+    config = runner.config
+    num_cpu_blocks = sum(
+        cpu_block_counts(config.cache_config, config.scheduler_config, kv_block_bytes(runner))
+    )
+    if num_cpu_blocks > 0:
+        runner.cpu_kv_cache = CpuKVCache(runner.kv_caches, num_cpu_blocks)
     if (
         runner.device.type == "cuda"
         and not runner.config.device_config.enforce_eager
