@@ -159,3 +159,15 @@ def test_log_line_has_the_intervals_mbu_and_mfu() -> None:
     metrics.record_step_cost(step(3060, 0, 2.0, 2.5))  # the next interval's own figures
     line = metrics.log_line(now=time_after_start(metrics, 10.0))
     assert line is not None and line.endswith(", MBU: 40.0%, MFU: 0.0%")
+
+
+def test_swap_and_cpu_tier_counters_take_the_increments_of_the_totals() -> None:
+    metrics = EngineMetrics(MODEL, max_model_len=100)
+    metrics.record_scheduler_stats(SchedulerStats(1, 0, 0.5, 3, 64, 32, 2, 1, 16))
+    metrics.record_scheduler_stats(SchedulerStats(1, 0, 0.5, 5, 96, 48, 3, 3, 32))
+    registry = metrics.registry
+    assert value(registry, "num_preemptions_total") == 5
+    assert value(registry, "num_swap_outs_total") == 3
+    assert value(registry, "num_swap_ins_total") == 3
+    assert value(registry, "cpu_prefix_cache_hits_total") == 32
+    assert value(registry, "prefix_cache_hits_total") == 48
