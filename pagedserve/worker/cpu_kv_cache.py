@@ -13,9 +13,14 @@ import torch
 
 
 class CpuKVCache:
-    """Per attention layer a [2, num_blocks, block_size, num_kv_heads, head_dim] tensor in the
-    device cache's dtype (layer i's for `device_caches[i]`), in pinned memory when the device
-    is a GPU (for copies that the device's DMA engine does).
+    """Per attention layer a [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor in the
+    device cache's dtype (layer i's for `device_caches[i]`; block-major, so that a run of
+    consecutive blocks is one contiguous copy), in pinned memory when the device is a GPU.
+
+    On a GPU every copy is a DMA on the current stream, and the host never reads or writes
+    these tensors: a swap-out (device -> host) of one step and a swap-in (host -> device) of
+    a later one are ordered by the stream, with no wait on the host, so async scheduling
+    keeps running ahead. On the CPU the copies are plain tensor copies.
 
     Raises ValueError naming `swap_space` and `kv_offload_gb` when the host cannot allocate it.
     """
@@ -29,17 +34,16 @@ class CpuKVCache:
         try:
             self.caches = [
                 torch.zeros(
-                    (cache.shape[0], num_blocks, *cache.shape[2:]),
+                    (num_blocks, cache.shape[0], *cache.shape[2:]),
                     dtype=cache.dtype,
                     pin_memory=pin,
                 )
                 for cache in device_caches
             ]
         except RuntimeError as e:
-            num_bytes = sum(c.numel() * c.element_size() for c in device_caches)
-            per_block = num_bytes // max(device_caches[0].shape[1], 1) if device_caches else 0
+            block_bytes = sum(c[:, 0].numel() * c.element_size() for c in device_caches)
             raise ValueError(
-                f"a CPU KV cache of {num_blocks} blocks ({num_blocks * per_block / 2**30:.2f} "
+                f"a CPU KV cache of {num_blocks} blocks ({num_blocks * block_bytes / 2**30:.2f} "
                 f"GiB) could not be allocated; lower swap_space or kv_offload_gb: {e}"
             ) from None
 
@@ -51,42 +55,44 @@ class CpuKVCache:
         blocks_to_swap_in: list[tuple[int, int]],  # (CPU block, device block)
     ) -> None:
         """Do a step's copies, every swap-out before any swap-in, before the step's forward
-        (they go on the current stream, behind the step before). Swap-outs wait for the
-        device (their data must be on the host before a later step reads it there); a
-        destination appears at most once per list (the scheduler's bookkeeping ensures it).
-        """
+        (on the current stream, behind the step before, whose K/V they may take). Each
+        destination appears at most once per list (the scheduler's bookkeeping ensures it)."""
         if blocks_to_swap_out:
             src = _index([s for s, _ in blocks_to_swap_out], self.device)
-            dst = _index([d for _, d in blocks_to_swap_out], torch.device("cpu"))
-            gathered = [_bytes(cache).index_select(1, src) for cache in device_caches]
-            if self.device.type == "cuda":
-                staged = []
-                for blocks in gathered:
-                    host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
-                    host.copy_(blocks, non_blocking=True)
-                    staged.append(host)
-                torch.cuda.current_stream(self.device).synchronize()
-                gathered = staged
-            for cpu_cache, blocks in zip(self.caches, gathered, strict=True):
-                _bytes(cpu_cache).index_copy_(1, dst, blocks)
-        if blocks_to_swap_in:
-            src = _index([s for s, _ in blocks_to_swap_in], torch.device("cpu"))
-            dst = _index([d for _, d in blocks_to_swap_in], self.device)
-            pin = self.device.type == "cuda"
+            runs = _runs([d for _, d in blocks_to_swap_out])
             for cpu_cache, cache in zip(self.caches, device_caches, strict=True):
-                source = _bytes(cpu_cache)
-                shape = (source.shape[0], len(blocks_to_swap_in), *source.shape[2:])
-                host = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
-                torch.index_select(source, 1, src, out=host)
-                # From pinned memory the copy is asynchronous; the host allocator keeps `host`
-                # alive until it is done.
-                blocks = host.to(self.device, non_blocking=True)
-                _bytes(cache).index_copy_(1, dst, blocks)
+                # [n, 2, block_size, heads, head_bytes]: the blocks in list order, contiguous
+                blocks = _bytes(cache).index_select(1, src).transpose(0, 1).contiguous()
+                host = _bytes(cpu_cache)
+                for i, first, length in runs:
+                    host[first : first + length].copy_(blocks[i : i + length], non_blocking=True)
+        if blocks_to_swap_in:
+            dst = _index([d for _, d in blocks_to_swap_in], self.device)
+            runs = _runs([s for s, _ in blocks_to_swap_in])
+            for cpu_cache, cache in zip(self.caches, device_caches, strict=True):
+                host = _bytes(cpu_cache)
+                shape = (len(blocks_to_swap_in), *host.shape[1:])
+                blocks = torch.empty(shape, dtype=torch.uint8, device=self.device)
+                for i, first, length in runs:
+                    blocks[i : i + length].copy_(host[first : first + length], non_blocking=True)
+                _bytes(cache).index_copy_(1, dst, blocks.transpose(0, 1))
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(list index, first id, length) of the runs of consecutive ids in `ids`: one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block_id in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == block_id:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((i, block_id, 1))
+    return runs
 
 
 def _bytes(cache: torch.Tensor) -> torch.Tensor:
-    """The cache's bytes: [2, num_blocks, block_size, num_kv_heads, head_dim * itemsize]
-    uint8 (index_select and index_copy_ take no float8)."""
+    """The cache's bytes, as uint8 (index_select and index_copy_ take no float8): the last
+    dimension becomes head_dim * itemsize."""
     return cache.view(torch.uint8)
 
 

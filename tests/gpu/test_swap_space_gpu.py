@@ -72,3 +72,27 @@ def test_cpu_tier_on_the_gpu() -> None:
         )
         >= 5
     )
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn"])
+def test_copies_are_ordered_by_the_stream_without_host_waits(dtype: str) -> None:
+    """Out, overwrite on the device, back in, with no synchronization between: the stream
+    orders the DMAs and the kernels, so the blocks come back with their first bytes."""
+    import torch
+
+    from pagedserve.worker.cpu_kv_cache import CpuKVCache
+
+    torch.manual_seed(0)
+    caches = [torch.randn(2, 64, 16, 4, 64, device="cuda").to(getattr(torch, dtype))]
+    original = caches[0].clone()
+    cpu = CpuKVCache(caches, num_blocks=32)
+    assert cpu.caches[0].is_pinned()
+    pairs = [(i, 31 - i) for i in range(0, 64, 2)]  # 32 blocks, CPU ids descending
+    cpu.swap(caches, pairs, [])
+    caches[0].view(torch.uint8).fill_(7)
+    cpu.swap(caches, [], [(cpu_id, gpu_id + 1) for gpu_id, cpu_id in pairs])
+    torch.cuda.synchronize()
+    for gpu_id, _ in pairs:
+        assert torch.equal(
+            caches[0][:, gpu_id + 1].view(torch.uint8), original[:, gpu_id].view(torch.uint8)
+        )
