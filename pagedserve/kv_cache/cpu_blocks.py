@@ -145,6 +145,11 @@ class CpuPrefixTier:
         self.pool.free([block_id])
         return block_id
 
+    def reset(self) -> None:
+        """Forget every entry (`KVCacheManager.reset_prefix_cache`)."""
+        self.pool.free(list(self.entries.values()))
+        self.entries.clear()
+
     def end_step(self) -> None:
         self._written.clear()
         self.pool.end_step()

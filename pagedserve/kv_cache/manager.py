@@ -95,8 +95,10 @@ class KVCacheManager:
         """Forget every cached block (vLLM's `reset_prefix_cache`, which refuses while any
         block is in use): blocks that running requests hold stay theirs, but no later request
         hits them, neither while they run nor after they are freed. Blocks those requests
-        fill after the reset are indexed as usual."""
+        fill after the reset are indexed as usual. The CPU tier is emptied too."""
         self.block_pool.reset_prefix_cache()
+        if self.cpu_tier is not None:
+            self.cpu_tier.reset()
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]

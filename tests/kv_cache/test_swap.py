@@ -178,3 +178,17 @@ def test_prefixes_cycling_through_both_tiers_keep_their_kv(num_swap_blocks: int)
     if num_swap_blocks:
         assert scheduler.num_swap_outs_total > 0
         assert scheduler.num_swap_ins_total == scheduler.num_swap_outs_total
+
+
+def test_reset_prefix_cache_empties_the_cpu_tier() -> None:
+    manager = KVCacheManager(3, 4, num_offload_blocks=4)
+    a = make_request("a", list(range(9)))
+    schedule(manager, a, 9)
+    manager.free(a)
+    schedule(manager, make_request("o", list(range(100, 112))), 12)  # a's blocks: CPU tier
+    assert manager.cpu_tier is not None and len(manager.cpu_tier.entries) == 2
+    manager.reset_prefix_cache()
+    assert manager.get_computed_blocks(make_request("a2", list(range(9)))) == ([], 0)
+    manager.take_block_copies()
+    manager.check_invariants()
+    assert manager.cpu_tier.pool.num_free_blocks == 4
