@@ -553,6 +553,15 @@ class EngineConfig:
     device_config: DeviceConfig
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
+    def cpu_block_counts(self, block_bytes: int) -> tuple[int, int]:
+        """(swap space blocks, CPU-tier blocks) of one rank whose KV block takes `block_bytes`
+        bytes: `swap_space` GiB (only with preemption_mode "swap": otherwise nothing is
+        swapped, and the 4 GiB default is not taken) and `kv_offload_gb` GiB. The engine and
+        every worker compute the same numbers from the same config."""
+        cache = self.cache_config
+        swap_gib = cache.swap_space if self.scheduler_config.preemption_mode == "swap" else 0.0
+        return int(swap_gib * 2**30) // block_bytes, int(cache.kv_offload_gb * 2**30) // block_bytes
+
     def __post_init__(self) -> None:
         _check_tensor_parallel_size(
             self.model_config.hf_text_config, self.parallel_config.tensor_parallel_size

@@ -11,7 +11,6 @@ from typing import Any
 
 from pagedserve.config import EngineConfig, cuda_index
 from pagedserve.executor.factory import create_executor
-from pagedserve.kv_cache.cpu_blocks import cpu_block_counts
 from pagedserve.kv_cache.manager import KVCacheManager, check_fits_cache, max_blocks_held
 from pagedserve.messages import EngineCoreOutput, SchedulerStats
 from pagedserve.request import Request, RequestStatus
@@ -71,9 +70,7 @@ class EngineCore:
             "" if self.sliding_window is None else f" (sliding window {self.sliding_window})",
         )
         # The same CPU block counts as each worker's (`runner_setup.initialize_kv_cache`).
-        num_swap_blocks, num_offload_blocks = cpu_block_counts(
-            config.cache_config, config.scheduler_config, self.executor.block_bytes
-        )
+        num_swap_blocks, num_offload_blocks = config.cpu_block_counts(self.executor.block_bytes)
         self.kv_cache = KVCacheManager(
             num_blocks,
             block_size,

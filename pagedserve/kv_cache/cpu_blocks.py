@@ -4,7 +4,8 @@ and the CPU tier of the prefix cache (`kv_offload_gb`: cached blocks evicted fro
 share, and the block copies of the step being scheduled (`BlockCopies`).
 
 CPU block ids 0 .. num_swap_blocks - 1 are swap space, the next num_offload_blocks the CPU tier:
-one tensor per layer on each worker (`worker.cpu_kv_cache.CpuKVCache`) holds both. Torch-free.
+one tensor per layer on each worker (`worker.cpu_kv_cache.CpuKVCache`) holds both; the engine
+and every worker size them alike (`EngineConfig.cpu_block_counts`). Torch-free.
 
 Ordering (what makes the copies of one step safe): the worker does a step's swap-outs
 (GPU -> CPU) before its swap-ins (CPU -> GPU), both before the step's forward. So a GPU block
@@ -19,21 +20,7 @@ each CPU block is written at most once per step.
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.kv_cache.block_hash import BlockHash
-
-GiB = 1 << 30
-
-
-def cpu_block_counts(
-    cache_config: CacheConfig, scheduler_config: SchedulerConfig, block_bytes: int
-) -> tuple[int, int]:
-    """(swap space blocks, CPU-tier blocks) of one rank whose KV block takes `block_bytes`
-    bytes: `swap_space` GiB (only with preemption_mode "swap": otherwise nothing is swapped,
-    and the 4 GiB default is not taken) and `kv_offload_gb` GiB. The scheduler and every
-    worker compute the same numbers from the same config."""
-    swap_gib = cache_config.swap_space if scheduler_config.preemption_mode == "swap" else 0.0
-    return int(swap_gib * GiB) // block_bytes, int(cache_config.kv_offload_gb * GiB) // block_bytes
 
 
 @dataclass(slots=True)

@@ -14,7 +14,6 @@ import time
 import torch
 
 from pagedserve.attention.kv_quant import kv_cache_torch_dtype
-from pagedserve.kv_cache.cpu_blocks import cpu_block_counts
 from pagedserve.layers.attention import Attention
 from pagedserve.models.loader import load_model as load_checkpoint
 from pagedserve.step import SchedulerOutput
@@ -191,14 +190,11 @@ def _profile_num_blocks(runner: ModelRunner) -> int:
 
 def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
     """Allocate the KV cache and its CPU blocks (swap space, the prefix cache's CPU tier:
-    `cpu_block_counts`), then capture CUDA graphs for decode batches when they apply
+    `EngineConfig.cpu_block_counts`), then capture CUDA graphs for decode batches when they apply
     (CUDA device, a graph-capturable backend, and not `enforce_eager`), then warm up (CUDA).
     Raises ValueError when the cache does not fit (see `_allocate_kv_cache`)."""
     _allocate_kv_cache(runner, num_blocks)
-    config = runner.config
-    num_cpu_blocks = sum(
-        cpu_block_counts(config.cache_config, config.scheduler_config, kv_block_bytes(runner))
-    )
+    num_cpu_blocks = sum(runner.config.cpu_block_counts(kv_block_bytes(runner)))
     if num_cpu_blocks > 0:
         runner.cpu_kv_cache = CpuKVCache(runner.kv_caches, num_cpu_blocks)
     if (
