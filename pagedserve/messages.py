@@ -69,7 +69,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     kv_cache_usage: float  # fraction of blocks in use, [0, 1]
     num_preemptions_total: int
     prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
+    prefix_cache_hits: int  # tokens found (in the CPU tier too)
+    num_swap_outs_total: int = 0  # preemptions that swapped the request out (preemption_mode)
+    num_swap_ins_total: int = 0  # swapped-out requests resumed
+    cpu_prefix_cache_hits: int = 0  # tokens found in the prefix cache's CPU tier (kv_offload_gb)
 
 
 class MultiModalFeatureData(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -127,6 +127,16 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.num_swap_outs = counter(
+            "num_swap_outs", "Preemptions that copied the request's KV blocks to CPU swap space."
+        )
+        self.num_swap_ins = counter(
+            "num_swap_ins", "Swapped-out requests whose KV blocks were copied back to resume."
+        )
+        self.cpu_prefix_cache_hits = counter(
+            "cpu_prefix_cache_hits",
+            "Tokens found in the CPU tier of the prefix cache (part of prefix_cache_hits).",
+        )
         success = family(
             Counter,
             "request_success",
@@ -339,6 +349,11 @@ class EngineMetrics:
             max(stats.prefix_cache_queries - last.prefix_cache_queries, 0)
         )
         self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
+        self.num_swap_outs.inc(max(stats.num_swap_outs_total - last.num_swap_outs_total, 0))
+        self.num_swap_ins.inc(max(stats.num_swap_ins_total - last.num_swap_ins_total, 0))
+        self.cpu_prefix_cache_hits.inc(
+            max(stats.cpu_prefix_cache_hits - last.cpu_prefix_cache_hits, 0)
+        )
         self._last_totals = stats
 
     def log_line(self, now: float) -> str | None:

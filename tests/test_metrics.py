@@ -180,3 +180,15 @@ def test_engines_of_one_registry_have_their_own_engine_label() -> None:
     assert line is not None and line.startswith("Engine 001: Avg prompt throughput")
     with pytest.raises(ValueError, match="engine label"):
         EngineMetrics(MODEL, max_model_len=100, registry=registry)  # no label among labelled
+
+
+def test_swap_and_cpu_tier_counters_take_the_increments_of_the_totals() -> None:
+    metrics = EngineMetrics(MODEL, max_model_len=100)
+    metrics.record_scheduler_stats(SchedulerStats(1, 0, 0.5, 3, 64, 32, 2, 1, 16))
+    metrics.record_scheduler_stats(SchedulerStats(1, 0, 0.5, 5, 96, 48, 3, 3, 32))
+    registry = metrics.registry
+    assert value(registry, "num_preemptions_total") == 5
+    assert value(registry, "num_swap_outs_total") == 3
+    assert value(registry, "num_swap_ins_total") == 3
+    assert value(registry, "cpu_prefix_cache_hits_total") == 32
+    assert value(registry, "prefix_cache_hits_total") == 48

@@ -23,6 +23,7 @@ from pagedserve.step import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedserve.worker.cpu_kv_cache import CpuKVCache
 from pagedserve.worker.cuda_graph import CudaGraphRunner
 from pagedserve.worker.encoder_cache import build_inputs_embeds
 from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask
@@ -59,6 +60,8 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.attention_layers: list[Attention] = []
         self.kv_caches: list[torch.Tensor] = []
+        # Swap space and the prefix cache's CPU tier (`runner_setup.initialize_kv_cache`).
+        self.cpu_kv_cache: CpuKVCache | None = None
         self.states: dict[str, CachedRequestState] = {}
         # The requests in `states` with images: a step may need `inputs_embeds` only then.
         self._image_request_ids: set[str] = set()
@@ -99,9 +102,18 @@ class ModelRunner:
         what `sample_tokens` finishes, or the step's output when nothing samples. A step with
         a deferred grammar (`SchedulerOutput.grammar_deferred`) goes this way: its bitmask is
         filled on the host while the device runs this forward (vLLM's split of execute_model
-        and sample_tokens)."""
+        and sample_tokens). The step's block copies (swaps) come first."""
         self._update_states(scheduler_output)
-        if scheduler_output.is_empty:
+        if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
+            if self.cpu_kv_cache is None:
+                raise RuntimeError("a step copies KV blocks to or from a CPU KV cache that "
+                                   "this worker did not allocate")  # fmt: skip
+            self.cpu_kv_cache.swap(
+                self.kv_caches,
+                scheduler_output.blocks_to_swap_out,
+                scheduler_output.blocks_to_swap_in,
+            )
+        if not scheduler_output.scheduled_requests:
             return AsyncModelRunnerOutput(ModelRunnerOutput([], [], []))
         started = _timing_event(self.device)
         model_input = build_model_input(
