@@ -4,6 +4,7 @@ and the server's: the Qwen3 tokenizer (it has the Qwen vision tokens), Qwen2VLIm
 112x84 one 12) and Qwen2.5-VL's chat template (image parts only)."""
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,9 @@ from PIL import Image
 from pagedserve import SamplingParams
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
-TOKENIZER = SHARED / "tokenizers" / "qwen3"
+# PAGEDSERVE_TEST_TOKENIZERS: a copy of ../shared/tokenizers (the GPU machine has no ../shared)
+TOKENIZERS = Path(os.environ.get("PAGEDSERVE_TEST_TOKENIZERS", SHARED / "tokenizers"))
+TOKENIZER = TOKENIZERS / "qwen3"
 VISION_START_ID, IMAGE_TOKEN_ID, VISION_END_ID, VIDEO_TOKEN_ID = 151652, 151655, 151653, 151656
 PATCH_SIZE, MERGE_SIZE = 14, 2
 MAX_TOKENS = 12
