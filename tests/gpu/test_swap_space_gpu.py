@@ -87,7 +87,7 @@ def test_copies_are_ordered_by_the_stream_without_host_waits(dtype: str) -> None
     original = caches[0].clone()
     cpu = CpuKVCache(caches, num_blocks=32)
     assert cpu.caches[0].is_pinned()
-    pairs = [(i, 31 - i) for i in range(0, 64, 2)]  # 32 blocks, CPU ids descending
+    pairs = [(gpu_id, 31 - k) for k, gpu_id in enumerate(range(0, 64, 2))]  # CPU ids 31..0
     cpu.swap(caches, pairs, [])
     caches[0].view(torch.uint8).fill_(7)
     cpu.swap(caches, [], [(cpu_id, gpu_id + 1) for gpu_id, cpu_id in pairs])
