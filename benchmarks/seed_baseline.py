@@ -123,19 +123,64 @@ def stop(process: Any) -> None:
             process.wait()
 
 
+# Set by --client-per-request: each request makes its own httpx client, as this script did
+# before 2026-12-02. A client builds a TLS context (~26 ms of CPU, under the GIL) even for
+# http://, so 50 of them cost the burst ~1 s of client time before any server work.
+CLIENT_PER_REQUEST = False
+
+
 def send_all(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[dict[str, Any]]]:
-    """POST every body at once (one thread each); seconds until the last reply, the replies."""
+    """POST every body at once (one thread each, one shared connection pool with a
+    connection per request); seconds until the last reply, the replies."""
+    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
+    client = httpx.Client(timeout=3600, limits=limits)  # made before the clock starts
 
     def post(body: dict[str, Any]) -> dict[str, Any]:
-        response = httpx.post(url, json=body, timeout=3600)
+        if CLIENT_PER_REQUEST:
+            response = httpx.post(url, json=body, timeout=3600)
+        else:
+            response = client.post(url, json=body)
         response.raise_for_status()
         reply: dict[str, Any] = response.json()
         return reply
 
-    begin = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+    with client, ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        begin = time.perf_counter()
         replies = list(pool.map(post, bodies))
-    return time.perf_counter() - begin, replies
+        return time.perf_counter() - begin, replies
+
+
+_BREAKDOWN = ("time_to_first_token_seconds", "request_queue_time_seconds",
+              "request_prefill_time_seconds", "request_decode_time_seconds",
+              "e2e_request_latency_seconds", "iteration_tokens_total")  # fmt: skip
+
+
+def server_sums(url: str) -> dict[str, float]:
+    """The server's histogram `_sum` and `_count` samples of `_BREAKDOWN`, from /metrics."""
+    sums: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ") if "{" not in line else line.partition("} ")
+        name = name.split("{")[0].removeprefix("pagedserve:")
+        if name.removesuffix("_sum").removesuffix("_count") in _BREAKDOWN:
+            sums[name] = sums.get(name, 0.0) + float(value)
+    return sums
+
+
+def print_breakdown(
+    seconds: float, before: dict[str, float], after: dict[str, float], num: int
+) -> None:
+    """One burst as the server saw it: mean seconds per request of each phase, and the
+    engine steps it took (iteration_tokens_total's count)."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = delta.get("iteration_tokens_total_count", 0.0)
+    phases = "  ".join(
+        f"{name.split('_seconds')[0].removeprefix('request_')} "
+        f"{1000 * delta.get(name + '_sum', 0.0) / max(delta.get(name + '_count', 0.0), 1):.1f}"
+        for name in _BREAKDOWN[:-1]
+    )
+    per_step = 1000 * seconds / max(steps, 1)
+    print(f"burst {seconds:.3f} s, {num} requests, {steps:.0f} steps ({per_step:.1f} ms/step); "
+          f"server means (ms): {phases}")  # fmt: skip
 
 
 def resolve_model(args: argparse.Namespace, workdir: Path) -> str:
@@ -172,6 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    if args.skip_baseline:
+        return _run_ours(args, model, dtype, prompts, workdir, results)
     flask_cmd = [sys.executable, __file__, "--flask-worker", "--model", model,
                  "--port", str(port), "--device", args.device]  # fmt: skip
     process = start(flask_cmd, url, workdir / "flask.log")
@@ -181,7 +228,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stop(process)
     results["flask_transformers"] = (seconds, sum(r["num_output_tokens"] for r in replies))
+    return _run_ours(args, model, dtype, prompts, workdir, results)
 
+
+def _run_ours(
+    args: argparse.Namespace,
+    model: str,
+    dtype: str,
+    prompts: list[str],
+    workdir: Path,
+    results: dict[str, Any],
+) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     ours_cmd = [sys.executable, "-m", "pagedserve.entrypoints.openai.api_server",
@@ -194,17 +251,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Warm-up, untimed: Triton compiles a kernel variant the first time a batch shape
         # needs it (prefill next to decodes, split-KV), which would otherwise land in the run.
         send_all(f"{url}/v1/completions", bodies[:8])
-        seconds, replies = send_all(f"{url}/v1/completions", bodies)
+        runs = []
+        for _ in range(args.repeat):
+            before = server_sums(url)
+            seconds, replies = send_all(f"{url}/v1/completions", bodies)
+            runs.append(seconds)
+            print_breakdown(seconds, before, server_sums(url), len(bodies))
     finally:
         stop(process)
+    seconds = sorted(runs)[len(runs) // 2]  # the median run
     results["pagedserve"] = (seconds, sum(r["usage"]["completion_tokens"] for r in replies))
     shutil.rmtree(workdir, ignore_errors=True)
 
     print(f"{'server':<22}{'seconds':>10}{'req/s':>10}{'out tokens':>12}")
     for name, (seconds, num_tokens) in results.items():
         print(f"{name:<22}{seconds:>10.2f}{len(prompts) / seconds:>10.2f}{num_tokens:>12}")
-    speedup = results["flask_transformers"][0] / results["pagedserve"][0]
-    print(f"speed-up: {speedup:.1f}x")
+    speedup = None
+    if "flask_transformers" in results:
+        speedup = results["flask_transformers"][0] / results["pagedserve"][0]
+        print(f"speed-up: {speedup:.1f}x")
     return {
         "benchmark": "seed_baseline",
         "model": args.preset or str(args.model),
@@ -225,6 +290,12 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder for --preset")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--num-requests", type=int, default=50)
+    parser.add_argument("--client-per-request", action="store_true",
+                        help="one httpx client per request (see CLIENT_PER_REQUEST)")  # fmt: skip
+    parser.add_argument("--skip-baseline", action="store_true",
+                        help="run only our server (no Flask baseline, no speed-up)")  # fmt: skip
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="timed bursts on our server; the median is reported")  # fmt: skip
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                         help="extra flags for our server (put last)")  # fmt: skip
     parser.add_argument("--flask-worker", action="store_true", help=argparse.SUPPRESS)
@@ -233,6 +304,8 @@ def main() -> None:
     if args.flask_worker:
         flask_worker(args)
         return
+    global CLIENT_PER_REQUEST
+    CLIENT_PER_REQUEST = args.client_per_request
     print(json.dumps(run(args)))
 
 

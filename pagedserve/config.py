@@ -32,6 +32,8 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # vLLM's `--scheduling-policy` values (see request_queue.py).
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM v0's `--preemption-mode` values (see scheduler.py).
+PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's; also InputProcessor's default
 # vLLM's `--structured-outputs-config.backend` values that we have (issue 17).
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
@@ -302,8 +304,31 @@ class CacheConfig:
         "checkpoint, else 1.0) in half the memory of 16-bit",
         cli={"choices": KV_CACHE_DTYPES},
     )
+    cpu_offload_gb: float = option(
+        0.0,
+        help="GiB of weights (per device) kept in pinned CPU memory and copied to the device "
+        "layer by layer during each forward, so that a model larger than the device runs; "
+        "whole layers of the layer stacks, first layers first; turns off CUDA graphs",
+    )
+    swap_space: float = option(
+        4.0,
+        help="GiB of CPU memory per GPU for the KV blocks of requests preempted with "
+        "preemption_mode swap (taken only then)",
+    )
+    kv_offload_gb: float = option(
+        0.0,
+        help="GiB of CPU memory per GPU for a CPU tier of the prefix cache: cached blocks that "
+        "the GPU cache evicts are kept there (least recently used out first) and copied back "
+        "on a prefix hit; 0 = off",
+    )
 
     def __post_init__(self) -> None:
+        for name in ("cpu_offload_gb", "swap_space", "kv_offload_gb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 GiB, got {getattr(self, name)}")
+        if self.kv_offload_gb > 0 and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gb (a CPU tier of the prefix cache) needs "
+                             "enable_prefix_caching")  # fmt: skip
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -350,8 +375,19 @@ class SchedulerConfig:
         "preempted first)",
         cli={"choices": SCHEDULING_POLICIES},
     )
+    preemption_mode: str = option(
+        "recompute",
+        help="what preempting a running request does when KV blocks run out: recompute (free "
+        "its blocks; its tokens are computed again when it resumes) or swap (copy its blocks "
+        "to swap_space GiB of CPU memory and back when it resumes; recompute when that is full)",
+        cli={"choices": PREEMPTION_MODES},
+    )
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
@@ -383,10 +419,12 @@ class ParallelConfig:
         "PAGEDSERVE_PP_LAYER_PARTITION='3,5' sets an uneven split)",
         cli={"aliases": ["-pp"]},
     )
-    # vLLM's -dp spelling parses; sizes above 1 are refused until issue 19 builds it.
     data_parallel_size: int = option(
         1,
-        help="number of engine replicas (only 1: data parallelism is not built yet)",
+        help="number of engine cores behind one API server, each with its own "
+        "pipeline_parallel_size x tensor_parallel_size ranks (on GPUs, core i takes the "
+        "next pp*tp GPUs); each "
+        "request runs on the least loaded core (the server's and the offline LLM's)",
         cli={"aliases": ["-dp"]},
     )
     distributed_executor_backend: str | None = option(
@@ -414,11 +452,9 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.data_parallel_size != 1:
+        if self.data_parallel_size < 1:
             raise ValueError(
-                f"data_parallel_size must be 1: data parallelism is not supported yet (got "
-                f"{self.data_parallel_size}); tensor_parallel_size and pipeline_parallel_size "
-                f"split a model over GPUs"
+                f"data_parallel_size must be at least 1, got {self.data_parallel_size}"
             )
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
@@ -538,7 +574,24 @@ class EngineConfig:
     device_config: DeviceConfig
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
+    def cpu_block_counts(self, block_bytes: int) -> tuple[int, int]:
+        """(swap space blocks, CPU-tier blocks) of one rank whose KV block takes `block_bytes`
+        bytes: `swap_space` GiB (only with preemption_mode "swap": otherwise nothing is
+        swapped, and the 4 GiB default is not taken) and `kv_offload_gb` GiB. The engine and
+        every worker compute the same numbers from the same config."""
+        cache = self.cache_config
+        swap_gib = cache.swap_space if self.scheduler_config.preemption_mode == "swap" else 0.0
+        return int(swap_gib * 2**30) // block_bytes, int(cache.kv_offload_gb * 2**30) // block_bytes
+
     def __post_init__(self) -> None:
+        device = self.device_config.device
+        dp_size = self.parallel_config.data_parallel_size
+        if dp_size > 1 and re.fullmatch(r"cuda:\d+", device):
+            raise ValueError(
+                f"device {device!r} names one GPU, but data_parallel_size is {dp_size}: each "
+                f"engine core needs its own GPUs; use device='cuda' and choose the GPUs with "
+                f"CUDA_VISIBLE_DEVICES"
+            )
         _check_tensor_parallel_size(
             self.model_config.hf_text_config, self.parallel_config.tensor_parallel_size
         )
@@ -549,6 +602,11 @@ class EngineConfig:
         )
         _check_pipeline_parallel(self.model_config.hf_text_config, self.parallel_config)
         _check_gpu_count(self.device_config.device, self.parallel_config)
+        _check_cpu_kv_memory(
+            self.cache_config,
+            self.scheduler_config.preemption_mode,
+            self.parallel_config.world_size,
+        )
         budget = self.scheduler_config.max_num_batched_tokens
         max_model_len = self.model_config.max_model_len
         if not self.scheduler_config.enable_chunked_prefill and budget < max_model_len:
@@ -556,6 +614,44 @@ class EngineConfig:
                 f"max_num_batched_tokens ({budget}) is smaller than "
                 f"max_model_len ({max_model_len}); enable chunked prefill or raise the budget"
             )
+
+
+def _check_cpu_kv_memory(cache_config: CacheConfig, preemption_mode: str, tp_size: int) -> None:
+    """The CPU KV memory (swap space with preemption_mode "swap", and the prefix cache's CPU
+    tier), per GPU, times the ranks (this host's, as with the mp executor), must fit the host
+    memory available now (MemAvailable; physical memory where /proc/meminfo is missing).
+    Raises ValueError naming the option and the limit; also for "swap" with no swap space."""
+    swap = cache_config.swap_space if preemption_mode == "swap" else 0.0
+    if preemption_mode == "swap" and swap == 0:
+        raise ValueError("preemption_mode 'swap' needs swap_space > 0 GiB, got 0")
+    available = host_memory_bytes()
+    needed = (swap + cache_config.kv_offload_gb) * tp_size * (1 << 30)
+    if available is None or needed <= available:
+        return
+    options = " + ".join(
+        name for name, gib in (("swap_space", swap), ("kv_offload_gb", cache_config.kv_offload_gb))
+        if gib > 0
+    )  # fmt: skip
+    raise ValueError(
+        f"{options} ({needed / tp_size / 2**30:.2f} GiB per GPU x {tp_size}) exceed the host "
+        f"memory available, {available / 2**30:.2f} GiB; lower {options.replace(' + ', ' or ')}"
+    )
+
+
+def host_memory_bytes() -> int | None:
+    """Host memory available now: MemAvailable of /proc/meminfo, else the physical memory
+    (os.sysconf), else None (unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _check_tensor_parallel_size(hf_config: Any, tp_size: int) -> None:

@@ -88,6 +88,27 @@ def cpu_reserved() -> int:
     return value
 
 
+DISTRIBUTED_PORT = "PAGEDSERVE_DISTRIBUTED_PORT"
+
+
+def distributed_port() -> int | None:
+    """PAGEDSERVE_DISTRIBUTED_PORT: the local TCP port where rank 0 of a multiprocess
+    tensor-parallel group hosts the group's rendezvous; unset: a free port the OS picks. A
+    data-parallel engine sets it for each engine core to one of distinct free ports, so that
+    the cores' groups, started at once, never pick the same one. Raises ValueError when not
+    an integer in 1..65535."""
+    raw = os.environ.get(DISTRIBUTED_PORT)
+    if not raw:  # empty: unset
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise ValueError(f"{DISTRIBUTED_PORT} must be a port number (1..65535), got {raw!r}")
+    return value
+
+
 def _positive_float(name: str) -> float | None:
     raw = os.environ.get(name)
     if not raw:  # empty: unset

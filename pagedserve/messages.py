@@ -69,7 +69,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, frozen=True, gc=False):
     kv_cache_usage: float  # fraction of blocks in use, [0, 1]
     num_preemptions_total: int
     prefix_cache_queries: int  # tokens looked up
-    prefix_cache_hits: int  # tokens found
+    prefix_cache_hits: int  # tokens found (in the CPU tier too)
+    num_swap_outs_total: int = 0  # preemptions that swapped the request out (preemption_mode)
+    num_swap_ins_total: int = 0  # swapped-out requests resumed
+    cpu_prefix_cache_hits: int = 0  # tokens found in the prefix cache's CPU tier (kv_offload_gb)
 
 
 class MultiModalFeatureData(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -78,12 +81,13 @@ class MultiModalFeatureData(msgspec.Struct, array_like=True, frozen=True, gc=Fal
     `feature_from_data` convert, where numpy is loaded anyway)."""
 
     pixel_bytes: bytes  # the C-order bytes of pixel_values
-    pixel_shape: list[int]  # [num_channels, height, width]
+    pixel_shape: list[int]  # MultiModalFeature.pixel_values' shape
     pixel_dtype: str  # numpy dtype name, e.g. "float32"
     offset: int  # position of the image's first placeholder token in the prompt
     length: int  # number of placeholder tokens
     identifier: str  # content hash (sha256 hex of the pixels)
     modality: str = "image"
+    grid_thw: list[int] | None = None  # Qwen2-VL's patch grid (t, h, w); None: LLaVA's
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, gc=False):

@@ -2,46 +2,25 @@
 periodic stats log line; and ours: the steps' roofline figures (MBU, MFU; see `roofline`)."""
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedserve.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagedserve.metrics_buckets import (
+    ITERATION_TOKENS_BUCKETS,
+    ITL_BUCKETS,
+    LATENCY_BUCKETS,
+    N_BUCKETS,
+    TTFT_BUCKETS,
+    UTILIZATION_BUCKETS,
+    build_1_2_5_buckets,
+)
 from pagedserve.outputs import RequestOutput
 from pagedserve.roofline import Peaks, device_peaks
-
-# vLLM's buckets (vllm/v1/metrics/loggers.py).
-_TTFT_BUCKETS = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-]  # fmt: skip
-_ITL_BUCKETS = [
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0,
-]  # fmt: skip
-_LATENCY_BUCKETS = [
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-    480.0, 960.0, 1920.0, 7680.0,
-]  # fmt: skip
-_ITERATION_TOKENS_BUCKETS: list[float] = [
-    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-]  # fmt: skip
-_N_BUCKETS: list[float] = [1, 2, 5, 10, 20]
-_UTILIZATION_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
-
-
-def build_1_2_5_buckets(max_value: int) -> list[float]:
-    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's buckets of token counts)."""
-    buckets: list[float] = []
-    scale = 1
-    while True:
-        for mantissa in (1, 2, 5):
-            if mantissa * scale > max_value:
-                return buckets
-            buckets.append(mantissa * scale)
-        scale *= 10
-
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason
 
@@ -80,6 +59,12 @@ class EngineMetrics:
     of the step that made the last token, inference the two together.
     `max_model_len` (tokens) bounds the buckets of token counts.
 
+    `engine` (None: no such label) labels every series `engine="<engine>"`, as vLLM's
+    metrics of data-parallel engine cores: make one EngineMetrics per core, each with its
+    index, on one `registry`; the collectors are shared and summing over the label gives
+    the whole server's figures (ValueError when engines of one registry differ in having
+    the label).
+
     Roofline figures of each step that ran a forward (`record_step_cost`): MBU, the bytes it
     must read / its seconds / the device's peak bandwidth, and MFU, its FLOPs / its seconds /
     the peak FLOP/s (fractions; one rank's, on one device's peaks). `peaks` (default: the
@@ -97,23 +82,42 @@ class EngineMetrics:
         max_model_len: int,
         registry: CollectorRegistry | None = None,
         peaks: Peaks | None = None,
+        engine: str | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = {"model_name": model_name}
+        if engine is not None:
+            # vLLM's label of data-parallel engine cores ("0", "1", ...): one EngineMetrics
+            # per core, all in one registry; a sum over the label gives the server's figures.
+            labels["engine"] = engine
+        self.engine = engine
+        families = _families(self.registry)
         name = "pagedserve:"
 
+        def family(kind: Any, metric: str, doc: str, extra: tuple[str, ...] = (), **kw: Any) -> Any:
+            """The collector `metric` of this registry (made by the first engine's metrics),
+            checked to have this engine's label names."""
+            label_names = (*labels, *extra)
+            collector = families.get(metric)
+            if collector is None:
+                collector = kind(name + metric, doc, label_names, registry=self.registry, **kw)
+                families[metric] = collector
+            elif tuple(collector._labelnames) != label_names:
+                raise ValueError(
+                    f"metric {metric} is registered with labels {collector._labelnames}, not "
+                    f"{label_names}: give every engine of one registry an engine label, or none"
+                )
+            return collector
+
         def gauge(metric: str, doc: str) -> Gauge:
-            return Gauge(name + metric, doc, list(labels), registry=self.registry).labels(**labels)
+            return family(Gauge, metric, doc).labels(**labels)  # type: ignore[no-any-return]
 
         def counter(metric: str, doc: str) -> Counter:
-            collector = Counter(name + metric, doc, list(labels), registry=self.registry)
-            return collector.labels(**labels)
+            return family(Counter, metric, doc).labels(**labels)  # type: ignore[no-any-return]
 
         def histogram(metric: str, doc: str, buckets: list[float]) -> Histogram:
-            collector = Histogram(
-                name + metric, doc, list(labels), buckets=buckets, registry=self.registry
-            )
-            return collector.labels(**labels)
+            collector = family(Histogram, metric, doc, buckets=buckets)
+            return collector.labels(**labels)  # type: ignore[no-any-return]
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
@@ -123,15 +127,24 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
-        success = Counter(
-            name + "request_success",
+        self.num_swap_outs = counter(
+            "num_swap_outs", "Preemptions that copied the request's KV blocks to CPU swap space."
+        )
+        self.num_swap_ins = counter(
+            "num_swap_ins", "Swapped-out requests whose KV blocks were copied back to resume."
+        )
+        self.cpu_prefix_cache_hits = counter(
+            "cpu_prefix_cache_hits",
+            "Tokens found in the CPU tier of the prefix cache (part of prefix_cache_hits).",
+        )
+        success = family(
+            Counter,
+            "request_success",
             "Finished sequences, by finish reason.",
-            [*labels, "finished_reason"],
-            registry=self.registry,
+            ("finished_reason",),
         )
         self.request_success = {
-            reason: success.labels(model_name=model_name, finished_reason=reason)
-            for reason in FINISHED_REASONS
+            reason: success.labels(**labels, finished_reason=reason) for reason in FINISHED_REASONS
         }
         token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
@@ -149,40 +162,40 @@ class EngineMetrics:
             "request_params_max_tokens", "The max_tokens of each finished sequence.", token_buckets
         )
         self.request_params_n = histogram(
-            "request_params_n", "The n of each finished request.", _N_BUCKETS
+            "request_params_n", "The n of each finished request.", N_BUCKETS
         )
         self.iteration_tokens = histogram(
             "iteration_tokens_total",
             "Prompt and generated tokens counted per engine step.",
-            _ITERATION_TOKENS_BUCKETS,
+            ITERATION_TOKENS_BUCKETS,
         )
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
         self.tpot = histogram(
             "request_time_per_output_token_seconds",
             "Decode time per token after the first, per sequence.",
-            _ITL_BUCKETS,
+            ITL_BUCKETS,
         )
         self.e2e = histogram(
-            "e2e_request_latency_seconds", "Request latency, arrival to finish.", _LATENCY_BUCKETS
+            "e2e_request_latency_seconds", "Request latency, arrival to finish.", LATENCY_BUCKETS
         )
         self.queue_time = histogram(
-            "request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY_BUCKETS
+            "request_queue_time_seconds", "Time waiting before first scheduled.", LATENCY_BUCKETS
         )
         self.prefill_time = histogram(
-            "request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS
+            "request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS
         )
         self.decode_time = histogram(
-            "request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS
+            "request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS
         )
         self.inference_time = histogram(
-            "request_inference_time_seconds", "First scheduled to last token.", _LATENCY_BUCKETS
+            "request_inference_time_seconds", "First scheduled to last token.", LATENCY_BUCKETS
         )
         self.step_mbu = histogram(
-            "step_mbu", "Memory-bandwidth utilization of each step (0..1).", _UTILIZATION_BUCKETS
+            "step_mbu", "Memory-bandwidth utilization of each step (0..1).", UTILIZATION_BUCKETS
         )
         self.step_mfu = histogram(
-            "step_mfu", "Model FLOPs utilization of each step (0..1).", _UTILIZATION_BUCKETS
+            "step_mfu", "Model FLOPs utilization of each step (0..1).", UTILIZATION_BUCKETS
         )
         self.mbu = gauge("mbu", "Memory-bandwidth utilization of the steps of this log interval.")
         self.mfu = gauge("mfu", "Model FLOPs utilization of the steps of this log interval.")
@@ -336,6 +349,11 @@ class EngineMetrics:
             max(stats.prefix_cache_queries - last.prefix_cache_queries, 0)
         )
         self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
+        self.num_swap_outs.inc(max(stats.num_swap_outs_total - last.num_swap_outs_total, 0))
+        self.num_swap_ins.inc(max(stats.num_swap_ins_total - last.num_swap_ins_total, 0))
+        self.cpu_prefix_cache_hits.inc(
+            max(stats.cpu_prefix_cache_hits - last.cpu_prefix_cache_hits, 0)
+        )
         self._last_totals = stats
 
     def log_line(self, now: float) -> str | None:
@@ -356,13 +374,37 @@ class EngineMetrics:
         if interval.step_seconds > 0 and self.peaks.flops is not None:
             mfu = interval.step_flops / interval.step_seconds / self.peaks.flops
             roofline += f", MFU: {100.0 * mfu:.1f}%"
+        prefix = "" if self.engine is None else f"Engine {int(self.engine):03d}: "  # vLLM's
         return (
-            f"Avg prompt throughput: {interval.num_prompt_tokens / seconds:.1f} tokens/s, "
+            f"{prefix}Avg prompt throughput: {interval.num_prompt_tokens / seconds:.1f} tokens/s, "
             f"Avg generation throughput: {interval.num_generation_tokens / seconds:.1f} tokens/s, "
             f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
             f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {hit_rate:.1f}%{roofline}"
         )
+
+
+def engine_metrics(model_name: str, max_model_len: int, num_engines: int) -> list[EngineMetrics]:
+    """One EngineMetrics per engine core, in one registry: unlabelled for one engine, else
+    labelled engine="0", "1", ... (vLLM's data-parallel metrics)."""
+    if num_engines == 1:
+        return [EngineMetrics(model_name, max_model_len)]
+    first = EngineMetrics(model_name, max_model_len, engine="0")
+    return [first] + [
+        EngineMetrics(model_name, max_model_len, first.registry, engine=str(i))
+        for i in range(1, num_engines)
+    ]
+
+
+_FAMILIES: "weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Any]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _families(registry: CollectorRegistry) -> dict[str, Any]:
+    """The engine collectors made in `registry` so far, by metric name (without the
+    prefix): the engines of one registry share them, each with its own `engine` label."""
+    return _FAMILIES.setdefault(registry, {})
 
 
 @dataclass(slots=True)

@@ -32,13 +32,19 @@ class MultiModalFeature:
     |<-- offset -->|<-- length placeholder tokens -->|   (prompt token positions)
     The model replaces the embeddings of those `length` tokens by the image's
     (`length` rows of the projector's output).
+
+    `pixel_values` is the processor's output for this one image: LLaVA's
+    [num_channels, height, width] (every image the same size), or Qwen2-VL's flattened
+    patches [grid_t * grid_h * grid_w, num_channels * temporal_patch * patch * patch] with the
+    patch grid in `grid_thw` (each image its own size, `length` = t * h * w / merge_size^2).
     """
 
-    pixel_values: np.ndarray  # [num_channels, height, width] float32, the processor's
+    pixel_values: np.ndarray  # float32, the processor's (see above)
     offset: int  # position of the image's first placeholder token in the prompt
     length: int  # number of placeholder tokens (the image's embeddings)
     identifier: str  # sha256 hex of the pixels: equal images share prefix-cache blocks
     modality: str = "image"
+    grid_thw: tuple[int, int, int] | None = None  # patch grid (t, h, w); None: fixed-size image
 
     @property
     def end(self) -> int:
@@ -50,33 +56,45 @@ class MultiModalFeature:
         return self.offset < end and start < self.end
 
 
-def hash_pixels(pixel_values: np.ndarray) -> str:
-    """sha256 hex of an image's pixels, with its shape and dtype (two images of the same
-    bytes but other shapes are different images)."""
-    digest = hashlib.sha256(f"{pixel_values.dtype}{pixel_values.shape}".encode())
+def hash_pixels(pixel_values: np.ndarray, grid_thw: tuple[int, int, int] | None = None) -> str:
+    """sha256 hex of an image's pixels, with its shape, dtype and patch grid (two images of
+    the same bytes but other shapes or grids are different images)."""
+    digest = hashlib.sha256(f"{pixel_values.dtype}{pixel_values.shape}{grid_thw}".encode())
     digest.update(np.ascontiguousarray(pixel_values).tobytes())
     return digest.hexdigest()
 
 
 def placeholder_ranges(
-    token_ids: Sequence[int], placeholder_id: int, num_items: int
+    token_ids: Sequence[int],
+    placeholder_id: int,
+    num_items: int,
+    lengths: Sequence[int] | None = None,
 ) -> list[tuple[int, int]]:
     """(offset, length) of each of `num_items` items whose placeholder tokens are the runs of
-    `placeholder_id` in `token_ids`, in order; every item has the same number of tokens
-    (LLaVA-1.5: one fixed-size grid per image), so adjacent images' runs split evenly.
+    `placeholder_id` in `token_ids`, in order. `lengths` gives each item's number of tokens
+    (Qwen2-VL: each image its own grid); without it every item has the same number (LLaVA-1.5:
+    one fixed-size grid per image), so adjacent images' runs split evenly.
 
-    Raises ValueError when the placeholder tokens do not split into `num_items` equal,
-    contiguous runs."""
+    Raises ValueError when the placeholder tokens do not split into `num_items` contiguous
+    runs of those lengths."""
     positions = [i for i, t in enumerate(token_ids) if t == placeholder_id]
-    if num_items <= 0 or not positions or len(positions) % num_items:
+    if lengths is None:
+        if num_items <= 0 or not positions or len(positions) % num_items:
+            raise ValueError(
+                f"the prompt has {len(positions)} image placeholder tokens for {num_items} images"
+            )
+        lengths = [len(positions) // num_items] * num_items
+    if len(lengths) != num_items or sum(lengths) != len(positions) or min(lengths) <= 0:
         raise ValueError(
-            f"the prompt has {len(positions)} image placeholder tokens for {num_items} images"
+            f"the prompt has {len(positions)} image placeholder tokens for {num_items} images "
+            f"of {list(lengths)} tokens"
         )
-    length = len(positions) // num_items
     ranges = []
-    for k in range(num_items):
-        run = positions[k * length : (k + 1) * length]
+    start = 0
+    for k, length in enumerate(lengths):
+        run = positions[start : start + length]
         if run[-1] - run[0] != length - 1:
             raise ValueError(f"image {k}'s {length} placeholder tokens are not contiguous")
         ranges.append((run[0], length))
+        start += length
     return ranges

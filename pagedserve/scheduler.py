@@ -49,8 +49,11 @@ class Scheduler:
     longer than the remaining budget is chunked. When a running request cannot get a block,
     a running request is preempted (the newest; with the "priority" policy the worst by
     priority, then arrival: see `request_queue`): its blocks are freed and it is recomputed
-    later (its tokens so far are kept). `num_computed_tokens` advances when tokens are scheduled,
-    as in vLLM v1. Imports no torch.
+    later (its tokens so far are kept). With `preemption_mode` "swap" (vLLM v0's) its blocks
+    are copied to CPU swap space instead, and it resumes from its `num_computed_tokens` once
+    they can come back (recomputed after all when swap space is full). The step's block copies
+    (swaps, and the prefix cache's CPU tier) go to the workers in its SchedulerOutput.
+    `num_computed_tokens` advances when tokens are scheduled, as in vLLM v1. Imports no torch.
 
     Structured outputs (`structured_output_manager`): a constrained request waits, skipped,
     until its grammar is compiled; each step carries the bitmask of the constrained requests
@@ -80,7 +83,9 @@ class Scheduler:
         self.waiting = create_request_queue(config.scheduling_policy)
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the workers at the next step
-        self.num_preemptions_total = 0
+        self.num_preemptions_total = 0  # swapped out or not
+        self.num_swap_outs_total = 0  # preemptions that swapped the request's blocks out
+        self.num_swap_ins_total = 0
         self.num_scheduled_tokens_total = 0  # tokens fed to the model (prefix hits excluded)
         # Unfinished requests whose sampling reads their past output tokens on the host
         # (penalties, bad words): async scheduling waits for each step while there are any.
@@ -186,6 +191,7 @@ class Scheduler:
             scheduled.sample and request.use_structured_output
             for (request, _, _), scheduled in zip(plan.scheduled, scheduled_requests, strict=True)
         )
+        copies = self.kv_cache.take_block_copies()
         output = SchedulerOutput(
             plan.new_requests,
             scheduled_requests,
@@ -198,6 +204,8 @@ class Scheduler:
                 scheduled_requests,
             ),
             grammar_deferred=deferred,
+            blocks_to_swap_out=copies.swap_out,
+            blocks_to_swap_in=copies.swap_in,
         )
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         if scheduled_requests:
@@ -286,20 +294,32 @@ class Scheduler:
             if request.num_output_placeholders > 0:
                 assert self.skip_in_flight
                 return
-            hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            # A swapped-out request resumes where it was: its computed tokens come back.
+            swapped = self.kv_cache.is_swapped(request)
+            hits, num_hit_tokens = (
+                ([], request.num_computed_tokens)
+                if swapped
+                else self.kv_cache.get_computed_blocks(request)
+            )
             num_new_tokens = request.num_tokens - num_hit_tokens
             if num_new_tokens > plan.token_budget:
                 if not self.config.enable_chunked_prefill:
                     return
                 num_new_tokens = plan.token_budget
-            new_block_ids = self.kv_cache.allocate_slots(request, num_new_tokens, hits)
+            if swapped:
+                new_block_ids = self.kv_cache.swap_in(request, num_new_tokens)
+            else:
+                new_block_ids = self.kv_cache.allocate_slots(request, num_new_tokens, hits)
             if new_block_ids is None:
                 return  # waits for blocks; nobody behind it in the queue jumps it
             self.waiting.pop_request()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            self.kv_cache.record_prefix_query(request, num_hit_tokens)
+            if swapped:
+                self.num_swap_ins_total += 1
+            else:
+                self.kv_cache.record_prefix_query(request, num_hit_tokens)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             plan.new_requests.append(
@@ -336,9 +356,12 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         if self.structured_output_manager is not None:
             self.structured_output_manager.sync_after_preemption(request)
-        self.kv_cache.free(request)
+        if self.config.preemption_mode == "swap" and self.kv_cache.swap_out(request):
+            self.num_swap_outs_total += 1
+        else:  # recomputed from its tokens (swap space is full, or recompute mode)
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.prepend_request(request)

@@ -82,6 +82,12 @@ class SchedulerOutput:
     # The bitmask comes after the forward is launched (`Scheduler.deferred_grammar_output`,
     # once the step before has applied its tokens): a constrained request samples this step.
     grammar_deferred: bool = False
+    # Block copies the workers do before the step's forward, all swap-outs first (vLLM v0's
+    # names; see kv_cache/cpu_blocks.py): (GPU block id, CPU block id) of preempted requests'
+    # blocks (preemption_mode "swap") and of evicted cached blocks (the prefix cache's CPU
+    # tier), then (CPU block id, GPU block id) of resumed requests and CPU-tier hits.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -95,7 +101,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled_requests
+        """Nothing for the workers to run: no request and no block copy."""
+        return not (self.scheduled_requests or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,3 +159,36 @@ def test_log_line_has_the_intervals_mbu_and_mfu() -> None:
     metrics.record_step_cost(step(3060, 0, 2.0, 2.5))  # the next interval's own figures
     line = metrics.log_line(now=time_after_start(metrics, 10.0))
     assert line is not None and line.endswith(", MBU: 40.0%, MFU: 0.0%")
+
+
+def test_engines_of_one_registry_have_their_own_engine_label() -> None:
+    """Data parallelism: one EngineMetrics per engine core in one registry (vLLM's
+    engine="0", "1" label); each counts only its own core's, and the log line names it."""
+    first = EngineMetrics(MODEL, max_model_len=100, engine="0")
+    second = EngineMetrics(MODEL, max_model_len=100, registry=first.registry, engine="1")
+    registry = first.registry
+    for metrics, request_id in ((first, "r"), (second, "s")):
+        metrics.record_arrival(request_id, [request_id], 4, 3, now=1.0)
+    second.record_outputs([token("s")], lambda child: child, now=2.0, core_time=2.0)
+    second.record_scheduler_stats(SchedulerStats(1, 2, 0.25, 0, 0, 0))
+    assert value(registry, "prompt_tokens_total", engine="0") == 0
+    assert value(registry, "prompt_tokens_total", engine="1") == 4
+    assert value(registry, "num_requests_waiting", engine="1") == 2
+    assert value(registry, "time_to_first_token_seconds_count", engine="1") == 1
+    assert value(registry, "time_to_first_token_seconds_count", engine="0") == 0
+    line = second.log_line(3.0)
+    assert line is not None and line.startswith("Engine 001: Avg prompt throughput")
+    with pytest.raises(ValueError, match="engine label"):
+        EngineMetrics(MODEL, max_model_len=100, registry=registry)  # no label among labelled
+
+
+def test_swap_and_cpu_tier_counters_take_the_increments_of_the_totals() -> None:
+    metrics = EngineMetrics(MODEL, max_model_len=100)
+    metrics.record_scheduler_stats(SchedulerStats(1, 0, 0.5, 3, 64, 32, 2, 1, 16))
+    metrics.record_scheduler_stats(SchedulerStats(1, 0, 0.5, 5, 96, 48, 3, 3, 32))
+    registry = metrics.registry
+    assert value(registry, "num_preemptions_total") == 5
+    assert value(registry, "num_swap_outs_total") == 3
+    assert value(registry, "num_swap_ins_total") == 3
+    assert value(registry, "cpu_prefix_cache_hits_total") == 32
+    assert value(registry, "prefix_cache_hits_total") == 48

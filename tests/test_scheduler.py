@@ -22,14 +22,20 @@ def make_scheduler(
     caching: bool = True,
     sliding_window: int | None = None,
     scheduling_policy: str = "fcfs",
+    num_swap_blocks: int = 0,
+    num_offload_blocks: int = 0,
 ) -> Scheduler:
+    """With `num_swap_blocks`, preemption swaps (preemption_mode "swap")."""
     config = SchedulerConfig(
         max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=True,
         scheduling_policy=scheduling_policy,
+        preemption_mode="swap" if num_swap_blocks else "recompute",
     )
-    kv_cache = KVCacheManager(num_blocks, block_size, caching, sliding_window)
+    kv_cache = KVCacheManager(
+        num_blocks, block_size, caching, sliding_window, num_swap_blocks, num_offload_blocks
+    )
     return Scheduler(config, kv_cache, max_model_len)
 
 
@@ -172,7 +178,10 @@ class FakeModel:
     requests, `new_block_ids` appended; freed entries are never updated): each step writes,
     at each new token's slot, the token prefix it stands for (what its K/V depend on), then
     checks that every key each new token attends to (the `sliding_window` before it, or all)
-    holds that request's own prefix: a block freed, reused or hit wrongly shows up here."""
+    holds that request's own prefix: a block freed, reused or hit wrongly shows up here.
+    Block copies (swap space, the CPU tier) move slots between the device and `cpu_slots`
+    first, swap-outs before swap-ins, as the worker does: a copy of the wrong block, or in
+    the wrong order, shows up here too."""
 
     def __init__(
         self,
@@ -187,6 +196,7 @@ class FakeModel:
         self.sliding_window = sliding_window
         self.tables: dict[str, list[int]] = {}
         self.slots: dict[int, tuple[int, ...]] = {}
+        self.cpu_slots: dict[int, tuple[int, ...]] = {}
 
     def run(self, out: SchedulerOutput, low: int = 0) -> ModelRunnerOutput:
         for r in out.scheduled_requests:
@@ -210,6 +220,17 @@ class FakeModel:
             self.tables.pop(request_id, None)
         for new in out.new_requests:
             self.tables[new.request_id] = []
+        for copies, src_slots, dst_slots in (
+            (out.blocks_to_swap_out, self.slots, self.cpu_slots),
+            (out.blocks_to_swap_in, self.cpu_slots, self.slots),
+        ):
+            assert len({dst for _, dst in copies}) == len(copies), "a block written twice"
+            for src, dst in copies:
+                for offset in range(block_size):
+                    value = src_slots.get(src * block_size + offset)
+                    dst_slots.pop(dst * block_size + offset, None)
+                    if value is not None:
+                        dst_slots[dst * block_size + offset] = value
         prefixes = {}
         for r in out.scheduled_requests:
             self.tables[r.request_id].extend(r.new_block_ids)
@@ -243,6 +264,8 @@ class FakeModel:
     pipelined=st.booleans(),
     sliding_window=st.sampled_from([None, None, 1, 3, 8]),
     policy=st.sampled_from(["fcfs", "priority"]),
+    num_swap_blocks=st.sampled_from([0, 0, 2, 8, 64]),
+    offload=st.booleans(),
 )
 def test_random_operations_keep_invariants(
     seed: int,
@@ -254,6 +277,8 @@ def test_random_operations_keep_invariants(
     pipelined: bool,
     sliding_window: int | None,
     policy: str,
+    num_swap_blocks: int,
+    offload: bool,
 ) -> None:
     """Random add / step / abort sequences: invariants hold after every operation, every
     request ends, and at the end every block is free. `pipelined` runs the steps as async
@@ -263,11 +288,23 @@ def test_random_operations_keep_invariants(
     a `sliding_window`, blocks out of the window are freed as requests advance: a request
     then never holds more than `max_blocks_held` blocks, and generations run longer. With
     the "priority" `policy` requests get random priorities: preemption then takes any running
-    request, also one already planned in the step."""
+    request, also one already planned in the step. With `num_swap_blocks` preemption swaps
+    (recomputing when swap space is full); with `offload` evicted cached blocks go to a CPU
+    tier of the prefix cache (10 blocks): no CPU block leaks or has two owners either."""
     rng = random.Random(seed)
     max_model_len = num_blocks * block_size
+    num_offload_blocks = 10 if offload and caching and sliding_window is None else 0
     scheduler = make_scheduler(
-        num_blocks, block_size, max_num_seqs, budget, max_model_len, caching, sliding_window, policy
+        num_blocks,
+        block_size,
+        max_num_seqs,
+        budget,
+        max_model_len,
+        caching,
+        sliding_window,
+        policy,
+        num_swap_blocks,
+        num_offload_blocks,
     )
     kv_cache = scheduler.kv_cache
     model = FakeModel(rng, scheduler, sliding_window)
@@ -337,6 +374,9 @@ def test_random_operations_keep_invariants(
         step(low=1)
         scheduler.kv_cache.check_invariants()
     assert not scheduler.has_unfinished_requests() and not in_flight
+    assert scheduler.schedule().is_empty  # (ends the CPU bookkeeping of the last frees)
+    assert kv_cache.swap_space.num_free_blocks == num_swap_blocks and not kv_cache.swapped
+    assert scheduler.num_swap_ins_total <= scheduler.num_swap_outs_total
     assert kv_cache.num_free_blocks == kv_cache.block_pool.num_usable_blocks
     assert kv_cache.num_free_blocks == num_blocks - (sliding_window is not None)
     for request in requests:

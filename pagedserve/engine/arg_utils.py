@@ -135,11 +135,15 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _FROM_CONFIG
     enable_prefix_caching: bool = _FROM_CONFIG
     kv_cache_dtype: str = _FROM_CONFIG
+    cpu_offload_gb: float = _FROM_CONFIG
+    swap_space: float = _FROM_CONFIG
+    kv_offload_gb: float = _FROM_CONFIG
     max_num_seqs: int = _FROM_CONFIG
     max_num_batched_tokens: int | None = _FROM_CONFIG
     enable_chunked_prefill: bool = _FROM_CONFIG
     async_scheduling: bool | None = _FROM_CONFIG
     scheduling_policy: str = _FROM_CONFIG
+    preemption_mode: str = _FROM_CONFIG
     tensor_parallel_size: int = _FROM_CONFIG
     pipeline_parallel_size: int = _FROM_CONFIG
     data_parallel_size: int = _FROM_CONFIG

@@ -12,12 +12,14 @@ from typing import Any
 from pagedserve.config import ModelConfig
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_client import EngineCoreClient, wait_readable
+from pagedserve.engine.data_parallel import CoreLoads, start_cores, start_options
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import (
     build_processors,
     log_generation_defaults,
     register_request,
 )
+from pagedserve.engine.request_stream import RequestStream as RequestStream
 from pagedserve.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -25,7 +27,7 @@ from pagedserve.errors import (
     RequestFailedError,
 )
 from pagedserve.messages import EngineCoreOutputs
-from pagedserve.metrics import EngineMetrics
+from pagedserve.metrics import EngineMetrics, engine_metrics
 from pagedserve.outputs import RequestOutput
 from pagedserve.roofline import device_peaks
 from pagedserve.sampling_params import SamplingParams
@@ -33,44 +35,21 @@ from pagedserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class RequestStream:
-    """The outputs of one request, in order, as an async iterator.
-
-    It ends after the output with `finished=True`, which an abort sends too (finish_reason
-    "abort", as vLLM); it raises EngineDeadError if the engine core dies or the engine is
-    shut down first.
-    """
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
-
-
 class AsyncLLMEngine:
     """vLLM's `AsyncLLMEngine` API: `generate` (an async iterator of RequestOutputs) and `abort`.
 
     This process tokenizes, validates, detokenizes and applies stop strings (InputProcessor,
     OutputProcessor); the scheduler and the model run in the engine-core process
-    (`EngineCoreClient`). A background task receives the core's outputs and fans them out to
-    per-request queues. If the core dies, every pending and new request fails with
-    EngineDeadError. Methods must be called from one event loop.
+    (`EngineCoreClient`), or with `data_parallel_size` N in N of them (`cores`; `core` is the
+    first), each request on the least loaded one (`data_parallel.CoreLoads`) for its whole
+    life. Background tasks receive the cores' outputs and fan them out to per-request queues.
+    If a core dies, every pending and new request fails with EngineDeadError (the engine is
+    dead, as vLLM's data-parallel engine). Methods must be called from one event loop.
 
     `metrics` (default: new EngineMetrics labelled `served_model_name`, else the model's name)
-    counts what it does for /metrics and the periodic stats line.
+    counts what it does for /metrics and the periodic stats line; with data parallelism there
+    is one per core (`engine_metrics`, labelled engine="0", "1", ... in `metrics.registry`;
+    `metrics` is core 0's), and passing `metrics` is a ValueError.
     """
 
     def __init__(
@@ -87,10 +66,19 @@ class AsyncLLMEngine:
         # A local model's core starts first: its imports and model loading then overlap this
         # process's own (config, tokenizer), which took as long again on an 8B start-up. A
         # Hub id is resolved (and downloaded) here first, once, and the core reads the folder.
-        early_core = EngineCoreClient(engine_args, wait=False) if _local(engine_args) else None
+        # (Data-parallel cores need the config first, for their devices.)
+        early = _local(engine_args) and engine_args.data_parallel_size == 1
+        early_core = EngineCoreClient(engine_args, wait=False) if early else None
         try:
             self.config = engine_args.create_engine_config()
             processors = build_processors(self.config)
+            dp_size = self.config.parallel_config.data_parallel_size
+            if metrics is not None and dp_size > 1:
+                raise ValueError(
+                    f"AsyncLLMEngine makes the metrics of its {dp_size} data-parallel engine "
+                    f"cores itself (data_parallel_size > 1); pass no metrics"
+                )
+            envs, self._ray_cluster = start_options(self.config)
         except BaseException:  # a bad option: the core would fail the same way
             if early_core is not None:
                 early_core.shutdown()
@@ -100,22 +88,38 @@ class AsyncLLMEngine:
         self.log_requests = log_requests
         self.log_stats = log_stats
         self.log_stats_interval_s = log_stats_interval_s
-        if metrics is None:
-            name = served_model_name or model_config.model_name
-            metrics = EngineMetrics(name, model_config.max_model_len)
-        self.metrics = metrics
+        name = served_model_name or model_config.model_name
+        self.engine_metrics = (
+            [metrics]
+            if metrics is not None
+            else engine_metrics(name, model_config.max_model_len, dp_size)
+        )
+        self.metrics = self.engine_metrics[0]
         self.streams: dict[str, RequestStream] = {}
+        self._core_of: dict[str, int] = {}  # request id -> index of the core running it
+        self._loads = CoreLoads(dp_size)
         self.dead_error: EngineDeadError | None = None
         self._tasks: list[asyncio.Task[None]] = []
         # Engine-core ids are "<request id>@<n>": unique, so that a request id can be reused
         # at once after an abort while the old request's outputs are still on their way.
         self._core_ids = itertools.count()
         log_generation_defaults(model_config)
-        # The core builds its config from the folders resolved here: a Hub id is looked up
+        # The cores build their config from the folders resolved here: a Hub id is looked up
         # (and downloaded) once, in this process.
-        self.core = early_core or EngineCoreClient(engine_args.resolved(self.config), wait=False)
-        self.core.wait_ready()
-        self.metrics.peaks = device_peaks(self.core.device_name)
+        self.cores: list[EngineCoreClient] = [early_core] if early_core is not None else []
+        try:
+            if early_core is None:
+                self.cores += start_cores(engine_args.resolved(self.config), envs)
+            for core in self.cores:
+                core.wait_ready()
+        except BaseException:
+            self._stop_cores()
+            raise
+        self.core = self.cores[0]
+        for core, core_metrics in zip(self.cores, self.engine_metrics, strict=True):
+            core_metrics.peaks = device_peaks(core.device_name)
+        # Requests are checked against the smallest KV cache: any core may run them.
+        self._num_blocks = min(core.num_blocks for core in self.cores)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> "AsyncLLMEngine":
@@ -141,10 +145,12 @@ class AsyncLLMEngine:
         """Start the background tasks on the running loop (done by the first request too)."""
         if self._tasks or self.dead_error is not None:
             return
-        self._tasks = [
-            asyncio.create_task(self._receive_outputs(), name="engine-outputs"),
-            asyncio.create_task(self._watch_core(), name="engine-watchdog"),
-        ]
+        self._tasks = []
+        for index in range(len(self.cores)):
+            self._tasks += [
+                asyncio.create_task(self._receive_outputs(index), name=f"engine-outputs-{index}"),
+                asyncio.create_task(self._watch_core(index), name=f"engine-watchdog-{index}"),
+            ]
         if self.log_stats:
             self._tasks.append(asyncio.create_task(self._log_stats(), name="engine-stats"))
 
@@ -189,30 +195,34 @@ class AsyncLLMEngine:
         if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.start()
+        index = self._loads.pick()
+        core = self.cores[index]
         processed, children = register_request(
             self.input_processor,
             self.output_processor,
             request_id,
             prompt,
             params,
-            self.core.num_blocks,
+            self._num_blocks,
             self.config.cache_config.block_size,
             core_request_id=f"{request_id}@{next(self._core_ids)}",
-            sliding_window=self.core.sliding_window,
+            sliding_window=core.sliding_window,
             max_step_tokens=self.config.scheduler_config.max_num_batched_tokens,
             priority=priority,
         )
         try:
-            self.core.send_add(children)
+            core.send_add(children)
         except BaseException:
             self.output_processor.abort_request(request_id)
             raise
+        self._core_of[request_id] = index
+        self._loads.added(index)
         num_prompt_tokens = len(processed.prompt_token_ids)
         max_tokens = processed.sampling_params.max_tokens
         assert max_tokens is not None  # resolved by the input processor
         stream = RequestStream(request_id)
         self.streams[request_id] = stream
-        self.metrics.record_arrival(
+        self.engine_metrics[index].record_arrival(
             request_id,
             [child.request_id for child in children],
             num_prompt_tokens,
@@ -234,7 +244,8 @@ class AsyncLLMEngine:
         `EngineClient.reset_prefix_cache`); requests added after it find no earlier prefix
         (the message reaches the engine core before theirs). Raises EngineDeadError if the
         engine core is gone."""
-        self.core.send_reset_prefix_cache()
+        for core in self.cores:
+            core.send_reset_prefix_cache()
 
     async def abort(self, request_id: str) -> None:
         """vLLM's coroutine spelling of `abort_request`."""
@@ -247,15 +258,24 @@ class AsyncLLMEngine:
         final_output = self.output_processor.abort_output(request_id)
         children = self.output_processor.abort_request(request_id)
         stream = self.streams.pop(request_id, None)
+        index = self._forget(request_id)
         if stream is not None:
             if final_output is not None:
                 stream.queue.put_nowait(final_output)
-            self.metrics.record_aborted(request_id, len(children))
+            self.engine_metrics[index or 0].record_aborted(request_id, len(children))
             if self.log_requests:
                 logger.info("Aborted request %s", request_id)
-        if children and self.dead_error is None:
+        if children and index is not None and self.dead_error is None:
             with contextlib.suppress(EngineDeadError):
-                self.core.send_abort(children)
+                self.cores[index].send_abort(children)
+
+    def _forget(self, request_id: str) -> int | None:
+        """The index of the core that ran this request, which no longer counts it as
+        unfinished; None for an unknown (or already forgotten) request."""
+        index = self._core_of.pop(request_id, None)
+        if index is not None:
+            self._loads.ended(index)
+        return index
 
     def fail_running(self, error: PagedServeError) -> None:
         """End every running request now: its stream raises `error` (a server stopping
@@ -268,17 +288,19 @@ class AsyncLLMEngine:
         while the core lives, its KV blocks there are freed."""
         for request_id, stream in list(self.streams.items()):
             children = self.output_processor.abort_request(request_id)
-            self.metrics.record_aborted(request_id, len(children))
+            index = self._forget(request_id)
+            self.engine_metrics[index or 0].record_aborted(request_id, len(children))
             stream.queue.put_nowait(error)
-            if children and self.dead_error is None:
+            if children and index is not None and self.dead_error is None:
                 with contextlib.suppress(EngineDeadError):
-                    self.core.send_abort(children)
+                    self.cores[index].send_abort(children)
         self.streams.clear()
 
     async def check_health(self) -> None:
-        """Raise EngineDeadError if the engine core is gone."""
-        if self.dead_error is None and not self.core.is_alive:
-            self._fail(EngineDeadError(self.core.death_message()))
+        """Raise EngineDeadError if an engine core is gone."""
+        for core in self.cores:
+            if self.dead_error is None and not core.is_alive:
+                self._fail(EngineDeadError(core.death_message()))
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
 
@@ -290,12 +312,20 @@ class AsyncLLMEngine:
         for task in self._tasks:
             task.cancel()
         self._tasks = []
-        self.core.shutdown()
+        self._stop_cores()
 
-    async def _receive_outputs(self) -> None:
+    def _stop_cores(self) -> None:
+        """Stop every core started (and leave a Ray cluster joined for them); idempotent."""
+        for core in self.cores:
+            core.shutdown()
+        if self._ray_cluster is not None:
+            self._ray_cluster.shutdown()
+
+    async def _receive_outputs(self, index: int) -> None:
+        core = self.cores[index]
         try:
             while True:
-                self._process_outputs(await self.core.receive())
+                self._process_outputs(await core.receive(), index)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -303,8 +333,10 @@ class AsyncLLMEngine:
             error = e if isinstance(e, EngineDeadError) else EngineDeadError(repr(e))
             self._fail(error)
 
-    def _process_outputs(self, message: EngineCoreOutputs) -> None:
+    def _process_outputs(self, message: EngineCoreOutputs, index: int = 0) -> None:
+        """Core `index`'s outputs of one step to its requests' streams and metrics."""
         now = time.monotonic()
+        core, metrics = self.cores[index], self.engine_metrics[index]
         child_to_parent = self.output_processor.child_to_parent
 
         def parent_of(child_id: str) -> str | None:
@@ -312,18 +344,19 @@ class AsyncLLMEngine:
             return None if parent is None else parent[0]
 
         # First: a sequence scheduled for the first time may finish in this very step.
-        self.metrics.record_queue_times(message.queue_times, message.scheduled_at)
-        self.metrics.record_outputs(message.outputs, parent_of, now, message.timestamp)
-        self.metrics.record_step_cost(message)
+        metrics.record_queue_times(message.queue_times, message.scheduled_at)
+        metrics.record_outputs(message.outputs, parent_of, now, message.timestamp)
+        metrics.record_step_cost(message)
         request_outputs, stopped = self.output_processor.process_outputs(message.outputs)
         if stopped:
             with contextlib.suppress(EngineDeadError):  # the watchdog reports a dead core
-                self.core.send_finish(stopped)
+                core.send_finish(stopped)
         for failed in self.output_processor.pop_failed():  # one request's internal error
-            self.metrics.record_aborted(failed.request_id, len(failed.child_ids), "error")
+            self._forget(failed.request_id)
+            metrics.record_aborted(failed.request_id, len(failed.child_ids), "error")
             if failed.child_ids:
                 with contextlib.suppress(EngineDeadError):
-                    self.core.send_abort(failed.child_ids)
+                    core.send_abort(failed.child_ids)
             failed_stream = self.streams.pop(failed.request_id, None)
             if failed_stream is not None:
                 error = RequestFailedError(f"request {failed.request_id} failed: {failed.error!r}")
@@ -332,15 +365,18 @@ class AsyncLLMEngine:
             stream = self.streams.get(output.request_id)
             if output.finished:
                 self.streams.pop(output.request_id, None)
-                self.metrics.record_finished(output, now)
+                self._forget(output.request_id)
+                metrics.record_finished(output, now)
             if stream is not None:
                 stream.queue.put_nowait(output)
-        self.metrics.record_scheduler_stats(message.stats)
+        metrics.record_scheduler_stats(message.stats)
+        self._loads.report(index, message.stats.kv_cache_usage)
 
-    async def _watch_core(self) -> None:
-        await wait_readable(self.core.sentinel)
+    async def _watch_core(self, index: int) -> None:
+        core = self.cores[index]
+        await wait_readable(core.sentinel)
         await asyncio.sleep(0.05)  # let the output task take a last "error" message first
-        self._fail(EngineDeadError(self.core.death_message()))
+        self._fail(EngineDeadError(core.death_message()))
 
     def _fail(self, error: EngineDeadError, log: bool = True) -> None:
         """The core is gone (or shutting down): fail every pending request, refuse new ones."""
@@ -361,9 +397,10 @@ class AsyncLLMEngine:
     async def _log_stats(self) -> None:
         while True:
             await asyncio.sleep(self.log_stats_interval_s)
-            line = self.metrics.log_line(time.monotonic())
-            if line is not None:
-                logger.info(line)
+            for metrics in self.engine_metrics:
+                line = metrics.log_line(time.monotonic())
+                if line is not None:
+                    logger.info(line)
 
 
 def _local(engine_args: EngineArgs) -> bool:

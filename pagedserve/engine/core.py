@@ -70,11 +70,15 @@ class EngineCore:
             num_usable_blocks / blocks_per_max_request,
             "" if self.sliding_window is None else f" (sliding window {self.sliding_window})",
         )
+        # The same CPU block counts as each worker's (`runner_setup.initialize_kv_cache`).
+        num_swap_blocks, num_offload_blocks = config.cpu_block_counts(self.executor.block_bytes)
         self.kv_cache = KVCacheManager(
             num_blocks,
             block_size,
             config.cache_config.enable_prefix_caching,
             sliding_window=self.sliding_window,
+            num_swap_blocks=num_swap_blocks,
+            num_offload_blocks=num_offload_blocks,
         )
         self.structured_output_manager = _structured_output_manager(config)
         self.scheduler = Scheduler(
@@ -322,6 +326,9 @@ class EngineCore:
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prefix_cache_queries=self.kv_cache.num_query_tokens,
             prefix_cache_hits=self.kv_cache.num_hit_tokens,
+            num_swap_outs_total=self.scheduler.num_swap_outs_total,
+            num_swap_ins_total=self.scheduler.num_swap_ins_total,
+            cpu_prefix_cache_hits=self.kv_cache.num_cpu_hit_tokens,
         )
 
     def shutdown(self) -> None:

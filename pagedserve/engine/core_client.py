@@ -47,8 +47,21 @@ class EngineCoreClient:
     that fails). `send_*` never block; they raise EngineDeadError once the core is gone.
     """
 
-    def __init__(self, engine_args: EngineArgs, wait: bool = True) -> None:
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        wait: bool = True,
+        *,
+        dp_rank: int | None = None,
+        env: dict[str, str] | None = None,
+        blocking: bool = False,
+    ) -> None:
+        """`dp_rank`: the core's index under data parallelism (None without: one core);
+        `env`: environment variables the core process sets first (its GPUs); `blocking`:
+        outputs are read with `receive_blocking` (a caller without an event loop: the
+        offline LLMEngine), else with the coroutine `receive`."""
         check_not_importing_main()
+        self.dp_rank = dp_rank
         self._closed = False
         self._tmpdir = tempfile.mkdtemp(prefix="pagedserve-")
         input_address = f"ipc://{self._tmpdir}/input"
@@ -60,7 +73,8 @@ class EngineCoreClient:
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
         self._async_context = zmq.asyncio.Context()
-        self._output = self._async_context.socket(zmq.PULL)
+        # (a zmq.asyncio socket, or a plain one for `blocking`)
+        self._output: Any = (self._context if blocking else self._async_context).socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
@@ -75,8 +89,10 @@ class EngineCoreClient:
                 output_address,
                 ready_writer,
                 os.getpid(),
+                dp_rank,
+                env,
             ),
-            name="EngineCore",
+            name="EngineCore" if dp_rank is None else f"EngineCore_DP{dp_rank}",
         )
         self._started = time.monotonic()
         with main_not_reimported():  # a script without a main guard works too
@@ -192,9 +208,26 @@ class EngineCoreClient:
             raise EngineDeadError(f"the engine core failed:\n{message.traceback}")
         return message
 
+    @property
+    def output_socket(self) -> zmq.Socket[bytes]:
+        """The socket the outputs arrive on, for a zmq.Poller over several blocking clients."""
+        socket: zmq.Socket[bytes] = self._output
+        return socket
+
+    def receive_blocking(self, timeout_s: float) -> EngineCoreOutputs | None:
+        """The next outputs message, waiting up to `timeout_s` (None when none came); for a
+        client made with `blocking`. Raises EngineDeadError as `receive`."""
+        if not self._output.poll(int(timeout_s * 1000)):
+            return None
+        message = decode_to_server(self._output.recv())
+        if isinstance(message, EngineCoreError):
+            raise EngineDeadError(f"the engine core failed:\n{message.traceback}")
+        return message
+
     def death_message(self) -> str:
+        which = "" if self.dp_rank is None else f" of data-parallel rank {self.dp_rank}"
         return (
-            f"the engine core process is dead (exit code {self.process.exitcode}); "
+            f"the engine core process{which} is dead (exit code {self.process.exitcode}); "
             f"restart the server"
         )
 

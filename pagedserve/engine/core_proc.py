@@ -75,6 +75,7 @@ def feature_to_data(feature: MultiModalFeature) -> MultiModalFeatureData:
         feature.length,
         feature.identifier,
         feature.modality,
+        None if feature.grid_thw is None else list(feature.grid_thw),
     )
 
 
@@ -84,7 +85,8 @@ def feature_from_data(data: MultiModalFeatureData) -> MultiModalFeature:
     pixels = np.frombuffer(data.pixel_bytes, dtype=np.dtype(data.pixel_dtype))
     # frombuffer's array is read-only; a copy lets torch.from_numpy share it without a warning.
     pixels = pixels.reshape(data.pixel_shape).copy()
-    return MultiModalFeature(pixels, data.offset, data.length, data.identifier, data.modality)
+    grid = None if data.grid_thw is None else (data.grid_thw[0], data.grid_thw[1], data.grid_thw[2])
+    return MultiModalFeature(pixels, data.offset, data.length, data.identifier, data.modality, grid)
 
 
 def run_engine_core(
@@ -93,11 +95,15 @@ def run_engine_core(
     output_address: str,
     ready_pipe: Any,
     parent_pid: int,
+    dp_rank: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
-    """Main of the engine-core process (started with the 'spawn' context)."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s (EngineCore) %(name)s: %(message)s"
-    )
+    """Main of the engine-core process (started with the 'spawn' context). `dp_rank`: this
+    core's index under data parallelism (None without), shown in its log lines; `env`: the
+    variables it sets first, before anything reads them (its GPUs: CUDA_VISIBLE_DEVICES)."""
+    os.environ.update(env or {})
+    name = "EngineCore" if dp_rank is None else f"EngineCore_DP{dp_rank}"
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s ({name}) %(name)s: %(message)s")
     # Ctrl-C, or a SIGTERM sent to the whole process group (timeout, systemd), reaches the
     # server too, which then stops us with "shutdown": dying first would look like a crash.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

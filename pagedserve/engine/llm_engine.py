@@ -222,18 +222,33 @@ class LLMEngine:
     """Tokenizes requests, runs them on an in-process EngineCore and returns their outputs.
 
     Mirrors vLLM's `LLMEngine`: `add_request`, `abort_request`, `step`,
-    `has_unfinished_requests`.
+    `has_unfinished_requests`. With `data_parallel_size` N > 1 the engine core is N
+    engine-core processes (`DataParallelEngineCore`), built from `engine_args` (the options
+    `config` came from; ValueError without them), and `scheduler`/`kv_cache` raise
+    NotImplementedError.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_args: EngineArgs | None = None) -> None:
         # Imported here: AsyncLLMEngine in the API server's process uses this module's helpers
         # (build_processors, register_request) and must not load the model code.
         from pagedserve.engine.core import EngineCore
+        from pagedserve.engine.dp_engine_core import DataParallelEngineCore
 
+        dp_size = config.parallel_config.data_parallel_size
+        if dp_size > 1 and engine_args is None:
+            raise ValueError(
+                f"LLMEngine with data_parallel_size {dp_size} starts its cores from the engine "
+                f"options: use LLMEngine.from_engine_args (or pass engine_args)"
+            )
         self.config = config
         self.tokenizer, self.input_processor, self.output_processor = build_processors(config)
         log_generation_defaults(config.model_config)
-        self.engine_core = EngineCore(config)
+        self.engine_core: EngineCore | DataParallelEngineCore
+        if dp_size > 1:
+            assert engine_args is not None
+            self.engine_core = DataParallelEngineCore(config, engine_args)
+        else:
+            self.engine_core = EngineCore(config)
         # Set to [] to time every step into it (`bench throughput --plot`); None: not kept.
         self.step_records: list[StepRecord] | None = None
 
@@ -241,7 +256,7 @@ class LLMEngine:
     def from_engine_args(
         cls, engine_args: EngineArgs, usage_context: str = "engine_context"
     ) -> "LLMEngine":
-        return cls(engine_args.create_engine_config(usage_context))
+        return cls(engine_args.create_engine_config(usage_context), engine_args)
 
     @property
     def scheduler(self):  # type: ignore[no-untyped-def]

@@ -1,7 +1,8 @@
 """MultiModalProcessor: a prompt's text and images -> token ids (each image placeholder
 expanded to its tokens) and the images as MultiModalFeature (pixels, placeholder range,
 content hash), through the model folder's transformers processor (`AutoProcessor`, e.g.
-LlavaProcessor), as vLLM's multimodal processors wrap the HF processor.
+LlavaProcessor; `ImagePromptProcessor` for Qwen2-VL without torchvision), as vLLM's
+multimodal processors wrap the HF processor.
 """
 
 import threading
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from pagedserve.config import DEFAULT_MM_LIMIT
+from pagedserve.engine.image_prompt_processor import ImagePromptProcessor
 from pagedserve.errors import InvalidRequestError
 from pagedserve.multimodal import MultiModalFeature, hash_pixels, placeholder_ranges
 
@@ -41,20 +43,35 @@ class MultiModalProcessor:
     def processor(self) -> Any:
         with self._lock:
             if self._processor is None:
-                from transformers import AutoProcessor
-
-                self._processor = AutoProcessor.from_pretrained(  # type: ignore[no-untyped-call]
-                    self.model_dir,
-                    local_files_only=True,
-                    trust_remote_code=self.trust_remote_code,
-                )
+                self._processor = self._load()
             return self._processor
+
+    def _load(self) -> Any:
+        """AutoProcessor's, or where it cannot load for lack of torchvision (Qwen2-VL's
+        processor needs it for its video processor) our ImagePromptProcessor of the same
+        tokenizer and image processor. Raises the ImportError when that fallback does not
+        apply (the folder's image processor is not Qwen2-VL's)."""
+        from transformers import AutoProcessor
+
+        try:
+            return AutoProcessor.from_pretrained(  # type: ignore[no-untyped-call]
+                self.model_dir, local_files_only=True, trust_remote_code=self.trust_remote_code
+            )
+        except ImportError as error:
+            try:
+                return ImagePromptProcessor.from_pretrained(self.model_dir, self.trust_remote_code)
+            except ValueError:
+                raise error from None
 
     @property
     def image_placeholder(self) -> str:
-        """The text that stands for one image in a prompt (the processor's image_token, e.g.
-        LLaVA's "<image>")."""
-        return str(self.processor.image_token)
+        """The text that stands for one image in a prompt: the processor's image_token, e.g.
+        LLaVA's "<image>"; Qwen2-VL's "<|image_pad|>" between its vision markers (as vLLM's
+        Qwen2-VL placeholder)."""
+        token = str(self.processor.image_token)
+        if token == "<|image_pad|>":
+            return "<|vision_start|><|image_pad|><|vision_end|>"
+        return token
 
     @property
     def chat_template(self) -> str | None:
@@ -83,17 +100,40 @@ class MultiModalProcessor:
             out = self.processor(text=text, images=images, return_tensors="np")
             token_ids = [int(t) for t in out["input_ids"][0]]
             pixel_values = np.asarray(out["pixel_values"], dtype=np.float32)
-            ranges = placeholder_ranges(token_ids, self.image_token_id, len(images))
+            grids, lengths = self._grids(out, len(images))
+            ranges = placeholder_ranges(token_ids, self.image_token_id, len(images), lengths)
         except ValueError as e:  # e.g. 2 "<image>" in the text for 1 image
             raise InvalidRequestError(
                 f"multi_modal_data: the prompt and its {len(images)} image(s) do not match: {e}",
                 "multi_modal_data",
             ) from None
+        grid_of: list[tuple[int, int, int] | None] = [None] * len(ranges)
+        if grids is None:  # one [C, H, W] array per image
+            per_image = list(pixel_values)
+        else:  # the images' patches back to back: each image its grid's t * h * w rows
+            bounds = np.cumsum([0] + [t * h * w for t, h, w in grids])
+            per_image = [pixel_values[bounds[k] : bounds[k + 1]] for k in range(len(grids))]
+            grid_of = list(grids)
         features = tuple(
-            MultiModalFeature(pixels, offset, length, hash_pixels(pixels))
-            for pixels, (offset, length) in zip(pixel_values, ranges, strict=True)
+            MultiModalFeature(pixels, offset, length, hash_pixels(pixels, grid), grid_thw=grid)
+            for pixels, (offset, length), grid in zip(per_image, ranges, grid_of, strict=True)
         )
         return token_ids, features
+
+    def _grids(
+        self, out: Mapping[str, Any], num_images: int
+    ) -> tuple[list[tuple[int, int, int]] | None, list[int] | None]:
+        """Each image's patch grid (t, h, w) and number of tokens, t * h * w / merge_size^2,
+        where the processor gives `image_grid_thw` (Qwen2-VL); (None, None) otherwise (every
+        image the same size). Raises ValueError when the grids do not match the images."""
+        if "image_grid_thw" not in out:
+            return None, None
+        grid_thw = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
+        if len(grid_thw) != num_images:
+            raise ValueError(f"the processor gave {len(grid_thw)} image grids")
+        merge = int(self.processor.image_processor.merge_size)
+        grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw]
+        return grids, [t * h * w // merge**2 for t, h, w in grids]
 
 
 def _images(mm_data: Mapping[str, Any]) -> list[Any]:

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig, check_gpus_for_ranks
 from pagedserve.distributed.parallel_state import get_open_port
 from pagedserve.errors import EngineDeadError
@@ -89,7 +90,8 @@ class MultiprocExecutor(RankGroupExecutor):
             check_gpus_for_ranks(world_size, torch.cuda.device_count(), parallel_config)
         self.output_rank = output_rank(config)
         tp_size = parallel_config.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        # (a data-parallel engine gives each core's group its own port; else any free one)
+        init_method = f"tcp://127.0.0.1:{envs.distributed_port() or get_open_port()}"
         context = _start_context(config)
         # Never written: its reader sees EOF when the engine's process ends.
         engine_alive_reader, self._engine_alive = context.Pipe(duplex=False)

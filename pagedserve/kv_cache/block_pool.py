@@ -1,7 +1,7 @@
 """KVCacheBlock and BlockPool: reference counts, an LRU free queue and the prefix-cache index."""
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pagedserve.kv_cache.block_hash import BlockHash
@@ -25,6 +25,10 @@ class BlockPool:
     the placeholder of block-table entries that no longer hold K/V (out of the window). It is
     never free, never handed out, never cached and never reference-counted, and attention
     never reads it; `num_usable_blocks` excludes it.
+
+    `on_evict(block, block_hash)`, when set, is called when a cached block that the index
+    points at is handed out again, before it leaves the index (the CPU tier of the prefix
+    cache copies its content then: `KVCacheManager`).
     """
 
     def __init__(
@@ -42,6 +46,7 @@ class BlockPool:
             (block.block_id, block) for block in self.blocks if block is not self.null_block
         )
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.on_evict: Callable[[KVCacheBlock, BlockHash], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -109,6 +114,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
+                if self.on_evict is not None:
+                    self.on_evict(block, block.block_hash)
                 del self.cached[block.block_hash]
             block.block_hash = None
 

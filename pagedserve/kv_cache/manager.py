@@ -1,59 +1,15 @@
 """KVCacheManager: block tables of requests, prefix-cache lookups, allocation and freeing."""
 
-from pagedserve.errors import InvalidRequestError
 from pagedserve.kv_cache.block_hash import BlockHash, hash_request_blocks
 from pagedserve.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagedserve.kv_cache.cpu_blocks import BlockCopies, CpuBlockPool, CpuHit, CpuPrefixTier
+from pagedserve.kv_cache.sizing import cdiv as cdiv
+from pagedserve.kv_cache.sizing import check_fits_cache as check_fits_cache
+from pagedserve.kv_cache.sizing import max_blocks_held as max_blocks_held
 from pagedserve.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def max_blocks_held(
-    num_tokens: int,
-    block_size: int,
-    sliding_window: int | None = None,
-    max_step_tokens: int | None = None,
-) -> int:
-    """Most blocks a request of `num_tokens` tokens holds at once.
-
-    Without a window, all of them. With a sliding window W (every layer's), a step that feeds
-    n tokens from position c holds only the blocks of positions c - W + 1 .. c + n - 1 (the
-    first new token's window, then the new tokens): at most cdiv(W - 1 + n, block_size) + 1
-    blocks, the + 1 for a window that straddles block edges; n is at most `max_step_tokens`
-    (the step's token budget; None: the whole request in one step)."""
-    num_blocks = cdiv(num_tokens, block_size)
-    if sliding_window is None:
-        return num_blocks
-    step = num_tokens if max_step_tokens is None else min(max_step_tokens, num_tokens)
-    return min(num_blocks, cdiv(sliding_window - 1 + step, block_size) + 1)
-
-
-def check_fits_cache(
-    num_prompt_tokens: int,
-    max_tokens: int,
-    num_blocks: int,
-    block_size: int,
-    sliding_window: int | None = None,
-    max_step_tokens: int | None = None,
-) -> None:
-    """Raise InvalidRequestError when a request could never fit a cache of `num_blocks` blocks
-    (with a sliding window, one of them is the null block and the request needs only
-    `max_blocks_held` of the rest). Here, beside the cache, so that the API server's process
-    checks before it sends the request without importing the engine core (and its model
-    code)."""
-    num_tokens = num_prompt_tokens + max_tokens
-    usable = num_blocks - (sliding_window is not None)
-    needed = max_blocks_held(num_tokens, block_size, sliding_window, max_step_tokens)
-    if needed > usable:
-        at_once = "" if sliding_window is None else " at once"
-        raise InvalidRequestError(
-            f"the request needs up to {min(num_tokens, needed * block_size)} tokens of KV "
-            f"cache{at_once} but the whole cache holds {usable * block_size}; lower max_tokens "
-            f"or shorten the prompt",
-            "max_tokens",
-        )
+# A prefix-cache hit: a GPU block, or a block of the CPU tier that admission copies back.
+Hit = KVCacheBlock | CpuHit
 
 
 class KVCacheManager:
@@ -71,6 +27,13 @@ class KVCacheManager:
     a table keeps its length, and a request holds at most `max_blocks_held` blocks. A freed
     block may be reused while the step in flight still reads it: that step's reads come
     before the next step's writes on the device's stream.
+
+    CPU blocks (`cpu_blocks`): with `num_swap_blocks`, `swap_out` / `swap_in` move a preempted
+    request's blocks to swap space and back (vLLM v0's swap space); with `num_offload_blocks`
+    (prefix caching on, no sliding window), cached blocks that the GPU pool hands out again are
+    copied to the CPU tier first, and `get_computed_blocks` continues a prefix there
+    (`CpuHit`s, copied back by `allocate_slots`). The copies of a step are taken with
+    `take_block_copies`, which ends the step's CPU bookkeeping.
     """
 
     def __init__(
@@ -79,7 +42,11 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         sliding_window: int | None = None,
+        num_swap_blocks: int = 0,
+        num_offload_blocks: int = 0,
     ) -> None:
+        """Raises ValueError for a non-positive block_size or sliding_window, or a CPU tier
+        without prefix caching; NotImplementedError for a CPU tier with a sliding window."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -98,6 +65,23 @@ class KVCacheManager:
         # Counters for metrics: prefix-cache queries and hits, in tokens (record_prefix_query).
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self.num_cpu_hit_tokens = 0  # of num_hit_tokens, found in the CPU tier
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.copies = BlockCopies()
+        self.swap_space = CpuBlockPool(0, num_swap_blocks)
+        self.swapped: dict[str, list[int | None]] = {}  # request id -> CPU ids (None: null)
+        self.cpu_tier: CpuPrefixTier | None = None
+        if num_offload_blocks > 0:
+            if not enable_caching:
+                raise ValueError("kv_offload_gb (the prefix cache's CPU tier) needs "
+                                 "enable_prefix_caching")  # fmt: skip
+            if sliding_window is not None:
+                raise NotImplementedError(
+                    "kv_offload_gb (the prefix cache's CPU tier) with a sliding-window model"
+                )
+            self.cpu_tier = CpuPrefixTier(CpuBlockPool(num_swap_blocks, num_offload_blocks))
+            self.block_pool.on_evict = self._offload
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,31 +95,38 @@ class KVCacheManager:
         """Forget every cached block (vLLM's `reset_prefix_cache`, which refuses while any
         block is in use): blocks that running requests hold stay theirs, but no later request
         hits them, neither while they run nor after they are freed. Blocks those requests
-        fill after the reset are indexed as usual."""
+        fill after the reset are indexed as usual. The CPU tier is emptied too."""
         self.block_pool.reset_prefix_cache()
+        if self.cpu_tier is not None:
+            self.cpu_tier.reset()
 
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list[Hit], int]:
         """Longest run of cached full blocks that starts the request's tokens, and its length
         in tokens. The last token is never a hit: the model must run on it to sample. No hits
-        ([], 0) for a request that must compute all its tokens (`skip_reading_prefix_cache`)."""
+        ([], 0) for a request that must compute all its tokens (`skip_reading_prefix_cache`).
+        With the CPU tier a block missing on the GPU may be a `CpuHit`."""
         if not self._is_cacheable(request) or request.skip_reading_prefix_cache:
             return [], 0
         hashes = self._block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         if self.sliding_window is not None:
             return self._window_hits(hashes[:max_hit_blocks])
-        hits: list[KVCacheBlock] = []
+        hits: list[Hit] = []
+        tier = self.cpu_tier
         for block_hash in hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+            if block is not None:
+                hits.append(block)
+            elif tier is not None and (cpu_id := tier.get(block_hash)) is not None:
+                hits.append(CpuHit(cpu_id, block_hash))
+            else:
                 break
-            hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def _window_hits(self, hashes: list[BlockHash]) -> tuple[list[KVCacheBlock], int]:
+    def _window_hits(self, hashes: list[BlockHash]) -> tuple[list[Hit], int]:
         """Sliding-window hits: a prefix of k blocks is a hit when the blocks that the next
         query (position k * block_size) reads, those from `_first_needed_block`, are all
         cached; the earlier ones may be gone and come back as null blocks. The longest such k
@@ -149,7 +140,8 @@ class KVCacheManager:
             if i + 1 - self._first_needed_block((i + 1) * self.block_size) <= run:
                 best = i + 1
         first = self._first_needed_block(best * self.block_size)
-        hits = [null] * first + [block for block in cached[first:best] if block is not None]
+        hits: list[Hit] = [null] * first
+        hits += [block for block in cached[first:best] if block is not None]
         assert len(hits) == best
         return hits, best * self.block_size
 
@@ -169,7 +161,7 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: list[Hit] | None = None,
     ) -> list[int] | None:
         """Give the request room for `num_new_tokens` more tokens.
 
@@ -180,7 +172,8 @@ class KVCacheManager:
         Returns the ids of the blocks appended to its block table (prefix hits first, the
         null block's id where a sliding-window hit skips a block), or None when the pool
         cannot supply them (nothing is changed then, but for the release of blocks that fell
-        out of the sliding window, which no later step needs).
+        out of the sliding window, which no later step needs). A `CpuHit` takes a new block,
+        which its CPU block is copied to (`copies.swap_in`).
         """
         hits = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -197,21 +190,122 @@ class KVCacheManager:
                 return []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
+        gpu_hits = [hit for hit in hits if isinstance(hit, KVCacheBlock)]
+        num_cpu_hits = len(hits) - len(gpu_hits)
         num_new_blocks = max(num_needed - len(blocks) - len(hits), 0)
         # Hits that sit in the free queue stop being free once touched.
         null = self.block_pool.null_block
-        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0 and block is not null)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
+        num_free_hits = sum(1 for block in gpu_hits if block.ref_cnt == 0 and block is not null)
+        if num_new_blocks + num_cpu_hits > self.block_pool.num_free_blocks - num_free_hits:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return None
-        self.block_pool.touch(hits)
+        self.block_pool.touch(gpu_hits)
+        # CPU hits leave the tier before `allocate` evicts GPU blocks into it.
+        cpu_ids = [self._claim(hit) for hit in hits if isinstance(hit, CpuHit)]
+        restored = iter(self.block_pool.allocate(num_cpu_hits))
+        hit_blocks = [hit if isinstance(hit, KVCacheBlock) else next(restored) for hit in hits]
         new_blocks = self.block_pool.allocate(num_new_blocks)
-        blocks.extend(hits)
+        copied = [block for hit, block in zip(hits, hit_blocks, strict=True) if hit is not block]
+        self.copies.swap_in.extend(
+            (c, block.block_id) for c, block in zip(cpu_ids, copied, strict=True)
+        )
+        self.num_cpu_hit_tokens += num_cpu_hits * self.block_size
+        blocks.extend(hit_blocks)
         blocks.extend(new_blocks)
         if self._is_cacheable(request):
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
-        return [block.block_id for block in hits + new_blocks]
+        return [block.block_id for block in hit_blocks + new_blocks]
+
+    def _claim(self, hit: CpuHit) -> int:
+        assert self.cpu_tier is not None
+        return self.cpu_tier.claim(hit.block_hash)
+
+    def _offload(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """`BlockPool.on_evict`: copy a cached block that is handed out again to the CPU tier."""
+        assert self.cpu_tier is not None
+        cpu_id = self.cpu_tier.offload(block_hash)
+        if cpu_id is not None:
+            self.copies.swap_out.append((block.block_id, cpu_id))
+
+    def is_swapped(self, request: Request) -> bool:
+        """Whether the request's blocks are in swap space (`swap_out`)."""
+        return request.request_id in self.swapped
+
+    def swap_out(self, request: Request) -> bool:
+        """Copy the request's blocks to swap space and release its GPU blocks; False (nothing
+        changed) when swap space has too few free blocks or the request holds none: the caller
+        preempts by recomputation then. Its `num_computed_tokens` stays: the K/V of those tokens
+        (written by this step's predecessors, in flight or not) are what the copies take.
+
+        Shared blocks (a prefix hit, an n > 1 sibling's): the request copies every block it
+        holds and drops its references as `free` does, so a block another request holds stays
+        theirs; `swap_in` brings the copy back into a block of its own. Null entries (out of
+        a sliding window) stay null, with nothing to copy."""
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        null = self.block_pool.null_block
+        real = [block for block in blocks or [] if block is not null]
+        if not real:
+            return False
+        cpu_ids = self.swap_space.allocate(len(real))
+        if cpu_ids is None:
+            return False
+        assert blocks is not None
+        if self._is_cacheable(request):  # the full blocks stay hits for others, as in `free`
+            self._cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+        self.copies.swap_out.extend((b.block_id, c) for b, c in zip(real, cpu_ids, strict=True))
+        it = iter(cpu_ids)
+        self.swapped[request_id] = [None if block is null else next(it) for block in blocks]
+        self.block_pool.free(reversed(blocks))
+        del self.req_to_blocks[request_id]
+        self.num_cached_blocks.pop(request_id, None)
+        self.num_swapped_out_blocks += len(real)
+        return True
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Bring a swapped-out request's blocks back to new GPU blocks and give it room for
+        `num_new_tokens` more tokens after its `num_computed_tokens`: its whole block table
+        (what the worker starts its new table from), or None (nothing changed) when the GPU pool
+        has too few free blocks."""
+        request_id = request.request_id
+        saved = self.swapped[request_id]
+        cpu_ids = [c for c in saved if c is not None]
+        block_size = self.block_size
+        num_needed = -(-(request.num_computed_tokens + num_new_tokens) // block_size)
+        num_extra = max(num_needed - len(saved), 0)
+        if len(cpu_ids) + num_extra > self.block_pool.num_free_blocks:
+            return None
+        gpu_blocks = self.block_pool.allocate(len(cpu_ids))
+        pairs = zip(cpu_ids, gpu_blocks, strict=True)
+        self.copies.swap_in.extend((c, block.block_id) for c, block in pairs)
+        self.swap_space.free(cpu_ids)
+        del self.swapped[request_id]
+        null = self.block_pool.null_block
+        it = iter(gpu_blocks)
+        table = []
+        for cpu_id in saved:
+            if cpu_id is None:  # out of the window when it was swapped out
+                assert null is not None
+                table.append(null)
+            else:
+                table.append(next(it))
+        self.req_to_blocks[request_id] = table
+        self.num_swapped_in_blocks += len(cpu_ids)
+        table_ids = [block.block_id for block in table]
+        new_ids = self.allocate_slots(request, num_new_tokens)
+        assert new_ids is not None  # the check above counted its blocks
+        return table_ids + new_ids
+
+    def take_block_copies(self) -> BlockCopies:
+        """The copies the step just scheduled needs (the worker does them before its
+        forward), and the end of the step's CPU bookkeeping: CPU blocks freed during it can
+        be reused from the next one."""
+        copies, self.copies = self.copies, BlockCopies()
+        self.swap_space.end_step()
+        if self.cpu_tier is not None:
+            self.cpu_tier.end_step()
+        return copies
 
     def _free_out_of_window(self, request: Request) -> None:
         """Release the blocks that the step starting at `num_computed_tokens` and every later
@@ -245,10 +339,20 @@ class KVCacheManager:
         self.block_pool.free(reversed(blocks))
         self.num_cached_blocks.pop(request.request_id, None)
         self.req_to_block_hashes.pop(request.request_id, None)
+        saved = self.swapped.pop(request.request_id, None)
+        if saved is not None:  # finished while swapped out
+            self.swap_space.free([c for c in saved if c is not None])
 
     def check_invariants(self) -> None:
-        """See `BlockPool.check_invariants`; raises AssertionError on inconsistency."""
+        """See `BlockPool.check_invariants` and `CpuBlockPool.check_invariants`; raises
+        AssertionError on inconsistency (a block leaked, or owned twice)."""
         self.block_pool.check_invariants(self.req_to_blocks.values())
+        assert not set(self.swapped) & set(self.req_to_blocks), "swapped and on the GPU"
+        self.swap_space.check_invariants(
+            [c for saved in self.swapped.values() for c in saved if c is not None]
+        )
+        if self.cpu_tier is not None:
+            self.cpu_tier.check_invariants()
 
     def _is_cacheable(self, request: Request) -> bool:
         return self.enable_caching or request.sharing_group is not None

@@ -189,6 +189,58 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (M-RoPE, Qwen2-VL arXiv:2409.12191, transformers'
+    Qwen2_5_VLRotaryEmbedding, vLLM's MRotaryEmbedding): each token has three positions
+    (temporal, height, width); the head's first `mrope_section[0]` frequency pairs rotate by
+    the temporal position, the next `mrope_section[1]` by the height, the last by the width.
+    Text tokens have three equal positions, which is plain RoPE.
+
+    Takes positions [3, num_tokens]; [num_tokens] ones are plain RoPE (the base class).
+    Raises ValueError when the sections do not add up to head_dim / 2.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position_embeddings: int,
+        rope_theta: float,
+        mrope_section: list[int],
+    ) -> None:
+        super().__init__(head_dim, max_position_embeddings, rope_theta)
+        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+            raise ValueError(
+                f"rope_scaling mrope_section {mrope_section} must be 3 sizes adding up to "
+                f"head_dim / 2 = {head_dim // 2}"
+            )
+        self.mrope_section = list(mrope_section)
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        # Column j of the [cos | sin] table reads the position of axis `axes[j]`.
+        self.register_buffer("axes", torch.cat([axis, axis]), persistent=False)
+        self.axes: torch.Tensor
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [3, num_tokens] or [num_tokens] int64
+        query: torch.Tensor,  # [num_tokens, num_heads * head_dim] float
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim] float
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # shapes and dtypes of query and key
+        if positions.ndim == 1:
+            return super().forward(positions, query, key)
+        num_tokens = positions.shape[1]
+        table = self.cos_sin_cache[positions]  # [3, num_tokens, head_dim]
+        index = self.axes.view(1, 1, -1).expand(1, num_tokens, -1)
+        cos_sin = table.gather(0, index)[0]  # [num_tokens, head_dim], each column's axis
+        if use_fused_ops(query):
+            from pagedserve.layers.kernels.fused_ops import rotary_embedding
+
+            # The kernel reads row positions[i] of its table: here row i, the token's own.
+            rows = torch.arange(num_tokens, device=positions.device)
+            return rotary_embedding(rows, query, key, cos_sin.contiguous(), self.head_dim)
+        cos, sin = cos_sin.to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+
 def get_rope(hf_config: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
     """The RotaryEmbedding an HF config describes (rope_theta, rope_scaling, context length);
     `layer_type` selects per-layer-type parameters (see `read_rope_parameters`).

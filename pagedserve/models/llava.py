@@ -11,9 +11,10 @@ LlamaForCausalLM built from `text_config` (tensor parallelism and quantization a
 the vision tower and projector are replicated on every rank.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,7 +23,7 @@ from pagedserve.layers.activation import get_act_fn
 from pagedserve.layers.linear import get_weight_loader
 from pagedserve.models.clip import CLIPVisionTower, hidden_state_index
 from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, _param
-from pagedserve.multimodal import image_token_id
+from pagedserve.multimodal import MultiModalFeature, image_token_id
 from pagedserve.quant_config import QuantizationConfig
 
 # text_config.model_type -> the language model class
@@ -118,6 +119,14 @@ class LlavaForConditionalGeneration(nn.Module):
             states = [s[:, 1:] for s in states]
         features: torch.Tensor = self.multi_modal_projector(torch.cat(states, dim=-1))
         return features
+
+    def embed_mm_features(
+        self, features: Sequence[MultiModalFeature], device: torch.device
+    ) -> torch.Tensor:  # [num_images, num_image_tokens, text_hidden] float
+        """`embed_multimodal` of the images' pixels stacked into one batch (the encoder
+        cache's entry point: every LLaVA-1.5 image has the same size)."""
+        pixels = np.stack([feature.pixel_values for feature in features])
+        return self.embed_multimodal(torch.from_numpy(pixels).to(device))
 
     def forward(
         self,

@@ -2,7 +2,7 @@
 
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -22,6 +22,7 @@ from pagedserve.layers.attention import Attention
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.quantization.base import LinearMethodBase
 from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.models.cpu_offload import CpuOffloader
 from pagedserve.models.registry import get_model_class
 from pagedserve.quant_config import get_quantization_config
 
@@ -41,6 +42,7 @@ def load_model(
     quantization: str | None = None,
     model_impl: str = "auto",
     max_model_len: int | None = None,
+    cpu_offload_bytes: int = 0,
 ) -> nn.Module:
     """Build the model class named by `hf_config.architectures` on `device` in `dtype`, load
     its weights, and return it in eval mode with gradients off.
@@ -61,6 +63,9 @@ def load_model(
     `model_impl` picks native code or the transformers backend (`registry.resolve_model_impl`).
     Under pipeline parallelism (`get_pp_size() > 1`) the model builds and loads only this
     stage's layers; NotImplementedError for a class without `supports_pp`.
+    `cpu_offload_bytes` > 0 keeps that many bytes of layer weights in CPU memory
+    (`models/cpu_offload.py`; the model's `cpu_offloader` attribute is the CpuOffloader);
+    NotImplementedError with a quantization (its weight processing runs on the device).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -82,7 +87,15 @@ def load_model(
             )
         quant_config = get_quantization_config(quantization, hf_config)
     files = [] if load_format == "dummy" else find_safetensors_files(model_path)
-    with _default_dtype(dtype), torch.device(device):
+    offloader = None
+    if cpu_offload_bytes > 0:
+        if quant_config is not None:
+            raise NotImplementedError(
+                f"cpu_offload_gb with quantization={quantization!r} is not supported yet (the "
+                f"quantized layers process their weights on the device after loading)"
+            )
+        offloader = CpuOffloader(cpu_offload_bytes, device)
+    with _default_dtype(dtype), torch.device(device), offloader_building(offloader):
         model = model_cls(hf_config) if quant_config is None else model_cls(hf_config, quant_config)
     if max_model_len is not None:
         fit_to_max_model_len(model, max_model_len)
@@ -98,7 +111,15 @@ def load_model(
             loaded = _load_naming_tensor(cast(_LoadsWeights, model), weights, model_path)
             _check_all_loaded(model, loaded, model_path)
         process_weights_after_loading(model)
+    if offloader is not None:
+        offloader.attach()
+        setattr(model, "cpu_offloader", offloader)  # noqa: B010 (not an nn attribute)
     return model.eval()
+
+
+def offloader_building(offloader: CpuOffloader | None) -> AbstractContextManager[None]:
+    """`offloader.building()`, or nothing without offload."""
+    return nullcontext() if offloader is None else offloader.building()
 
 
 def fit_to_max_model_len(model: nn.Module, max_model_len: int) -> None:

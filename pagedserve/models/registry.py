@@ -31,6 +31,7 @@ _MODELS: MappingProxyType[str, tuple[str, str]] = MappingProxyType(
         "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
         "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
         "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+        "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     }
 )
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_MODELS))
@@ -44,7 +45,9 @@ PIPELINE_PARALLEL_ARCHITECTURES = frozenset(
 )
 # Multimodal architectures (the language model's config in `text_config`) that our native
 # code runs; the transformers backend runs none.
-MULTIMODAL_ARCHITECTURES = frozenset({"LlavaForConditionalGeneration"})
+MULTIMODAL_ARCHITECTURES = frozenset(
+    {"LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+)
 
 
 def resolve_model_impl(architectures: list[str], model_impl: str, hf_config: Any) -> str:
@@ -94,7 +97,7 @@ def check_model_impl(
     for a quantization method with a native mixture-of-experts model (naming the method), and
     for pipeline_parallel_size > 1 with a model outside PIPELINE_PARALLEL_ARCHITECTURES.
     A multimodal config runs natively when its architecture is in MULTIMODAL_ARCHITECTURES
-    (LLaVA), with model_impl other than "transformers".
+    (LLaVA, Qwen2.5-VL), with model_impl other than "transformers".
     """
     architectures = list(getattr(hf_config, "architectures", None) or [])
     native_multimodal = model_impl != "transformers" and any(

@@ -35,14 +35,19 @@ class CudaGraphRunner:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        mrope: bool = False,
     ) -> None:
+        """mrope: the model takes M-RoPE positions [3, num_tokens] (its positions buffer is
+        [3, max_bs])."""
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
         max_bs = self.sizes[-1]
         max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [max_bs]
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [max_bs]
+        # [max_bs], or [3, max_bs] for M-RoPE
+        self.positions = torch.zeros((3, max_bs) if mrope else max_bs, dtype=torch.int64,
+                                     device=device)  # fmt: skip
         self.query_start_loc = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)  # [max_bs]
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
@@ -80,7 +85,7 @@ class CudaGraphRunner:
                      disable=rank != 0)  # fmt: skip
         for batch_size in sizes:
             metadata = self._metadata(batch_size)
-            args = (self.input_ids[:batch_size], self.positions[:batch_size], metadata)
+            args = (self.input_ids[:batch_size], self.positions[..., :batch_size], metadata)
             for _ in range(2):  # warm up: autotuning and lazy initialisation stay out
                 self.model(*args)
             torch.cuda.synchronize()
@@ -98,7 +103,7 @@ class CudaGraphRunner:
     def run(
         self,
         input_ids: torch.Tensor,  # [num_reqs] int64
-        positions: torch.Tensor,  # [num_reqs] int64
+        positions: torch.Tensor,  # [num_reqs] int64, or [3, num_reqs] (M-RoPE)
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_reqs, hidden_size]
         """Copy one decode step into the buffers, replay the padded graph, return real rows."""
@@ -106,7 +111,7 @@ class CudaGraphRunner:
         batch_size = next(size for size in self.sizes if size >= n)
         width = attn_metadata.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
+        self.positions[..., :n].copy_(positions, non_blocking=True)
         self.query_start_loc[: n + 1].copy_(attn_metadata.query_start_loc, non_blocking=True)
         self.query_start_loc[n + 1 : batch_size + 1].fill_(n)
         self.seq_lens[:n].copy_(attn_metadata.seq_lens, non_blocking=True)

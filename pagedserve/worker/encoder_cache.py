@@ -13,7 +13,6 @@ the rows of the image that its own tokens cover:
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from pagedserve.step import ScheduledRequest
@@ -31,7 +30,7 @@ class _ImageSlice(NamedTuple):
 
 
 def build_inputs_embeds(
-    model: Any,  # has embed_input_ids and embed_multimodal (a multimodal model)
+    model: Any,  # has embed_input_ids and embed_mm_features (a multimodal model)
     scheduled: Sequence[ScheduledRequest],
     states: dict[str, CachedRequestState],
     input_ids: torch.Tensor,  # [num_tokens] int64, placeholders of async scheduling filled
@@ -74,9 +73,10 @@ def build_inputs_embeds(
 def _encode(
     model: Any, missing: list[tuple[CachedRequestState, int]], device: torch.device
 ) -> None:
-    """Run the vision encoder on the missing images in one batch; cache each one's rows."""
-    pixels = np.stack([state.mm_features[k].pixel_values for state, k in missing])
-    outputs = model.embed_multimodal(torch.from_numpy(pixels).to(device))
+    """Run the vision encoder on the missing images in one batch (the model batches them its
+    own way: `embed_mm_features`); cache each one's rows."""
+    features = [state.mm_features[k] for state, k in missing]
+    outputs = model.embed_mm_features(features, device)
     for (state, k), output in zip(missing, outputs, strict=True):
         feature = state.mm_features[k]
         if output.shape[0] != feature.length:

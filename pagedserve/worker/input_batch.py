@@ -1,5 +1,6 @@
 """Per-request worker state and the flattening of a step into model inputs."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,10 @@ class CachedRequestState:
     # its embeddings [length, hidden_size], from the first step that feeds one of its tokens
     # to the step that feeds its last.
     encoder_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # M-RoPE models (Qwen2.5-VL): the prompt's (t, h, w) positions [3, num_prompt_tokens]
+    # int64, and what later tokens add to their index (the same on all three axes).
+    mrope_positions: np.ndarray | None = None
+    mrope_position_delta: int = 0
 
 
 @dataclass(slots=True)
@@ -32,7 +37,7 @@ class ModelInput:
     """One step's flat model inputs (tokens of all requests, back to back)."""
 
     input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64; [3, num_tokens] for an M-RoPE model
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] int64, last token of each sampled request
     sampled_request_ids: list[str]
@@ -48,8 +53,10 @@ def build_model_input(
     states: dict[str, CachedRequestState],
     block_size: int,
     device: torch.device,
+    mrope: bool = False,
 ) -> ModelInput:
-    """Flatten the scheduled requests into tensors.
+    """Flatten the scheduled requests into tensors. `mrope`: the model takes M-RoPE
+    positions [3, num_tokens] (`mrope_positions`); the KV slots follow the token index.
 
     Example, block_size=4: a request with block table [7, 2], 5 computed tokens and 2 new
     ones feeds positions 5 and 6, which land in logical block 1 (physical 2) at offsets 1
@@ -100,9 +107,13 @@ def build_model_input(
         query_start_loc_cpu=query_start_loc_cpu,
         seq_lens_cpu=seq_lens_cpu,
     )
+    rope_positions = positions.astype(np.int64)
+    if mrope:
+        step_states = [states[r.request_id] for r in scheduled]
+        rope_positions = mrope_positions(step_states, rope_positions, req_indices, query_start_loc)
     return ModelInput(
         input_ids=to_device(input_ids),
-        positions=to_device(positions.astype(np.int64)),
+        positions=to_device(rope_positions),
         attn_metadata=attn_metadata,
         logits_indices=to_device(logits_indices),
         sampled_request_ids=sampled_request_ids,
@@ -110,3 +121,27 @@ def build_model_input(
         placeholder_positions=torch.from_numpy(placeholders.astype(np.int64)),
         placeholder_request_ids=placeholder_request_ids,
     )
+
+
+def mrope_positions(
+    states: Sequence[CachedRequestState],  # the scheduled requests', in step order
+    positions: np.ndarray,  # [num_tokens] int64, each token's index in its request
+    req_indices: np.ndarray,  # [num_tokens], each token's request (row of `states`)
+    query_start_loc: np.ndarray,  # [num_reqs + 1] int32
+) -> np.ndarray:  # [3, num_tokens] int64
+    """The step's M-RoPE positions: a token after the prompt has its index +
+    `mrope_position_delta` on all three axes (vLLM's
+    MRotaryEmbedding.get_next_input_positions), a prompt token its request's
+    `mrope_positions` column (wherever the step starts in the prompt: a chunk, or after a
+    prefix-cache hit). A request without `mrope_positions` counts as text (delta 0)."""
+    deltas = np.fromiter((s.mrope_position_delta for s in states), np.int64, len(states))
+    out = np.repeat((positions + deltas[req_indices])[None], 3, axis=0)
+    for i, state in enumerate(states):  # prompt tokens: prefills only
+        prompt = state.mrope_positions
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        first = int(positions[start])
+        if prompt is None or first >= prompt.shape[1]:
+            continue
+        in_prompt = min(prompt.shape[1] - first, end - start)
+        out[:, start : start + in_prompt] = prompt[:, first : first + in_prompt]
+    return out

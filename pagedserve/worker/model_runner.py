@@ -7,6 +7,7 @@ Start-up (model loading, KV cache sizing and allocation, CUDA graphs, warm-up) i
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from pagedserve.step import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedserve.worker.cpu_kv_cache import CpuKVCache
 from pagedserve.worker.cuda_graph import CudaGraphRunner
 from pagedserve.worker.encoder_cache import build_inputs_embeds
 from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask
@@ -61,6 +63,8 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.attention_layers: list[Attention] = []
         self.kv_caches: list[torch.Tensor] = []
+        # Swap space and the prefix cache's CPU tier (`runner_setup.initialize_kv_cache`).
+        self.cpu_kv_cache: CpuKVCache | None = None
         self.states: dict[str, CachedRequestState] = {}
         # The requests in `states` with images: a step may need `inputs_embeds` only then.
         self._image_request_ids: set[str] = set()
@@ -75,6 +79,11 @@ class ModelRunner:
         # Pipeline parallelism: this rank's stage (`pp_stage`); both True on one stage.
         self.is_first_stage = is_first_pp_rank()
         self.is_last_stage = is_last_pp_rank()
+
+    @property
+    def uses_mrope(self) -> bool:
+        """Whether the model takes M-RoPE positions [3, num_tokens] (Qwen2.5-VL)."""
+        return bool(getattr(self.model, "uses_mrope", False))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled tokens."""
@@ -99,12 +108,23 @@ class ModelRunner:
         what `sample_tokens` finishes, or the step's output when nothing samples. A step with
         a deferred grammar (`SchedulerOutput.grammar_deferred`) goes this way: its bitmask is
         filled on the host while the device runs this forward (vLLM's split of execute_model
-        and sample_tokens)."""
+        and sample_tokens). The step's block copies (swaps) come first."""
         self._update_states(scheduler_output)
-        if scheduler_output.is_empty:
+        if scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in:
+            if self.cpu_kv_cache is None:
+                raise RuntimeError("a step copies KV blocks to or from a CPU KV cache that "
+                                   "this worker did not allocate")  # fmt: skip
+            self.cpu_kv_cache.swap(
+                self.kv_caches,
+                scheduler_output.blocks_to_swap_out,
+                scheduler_output.blocks_to_swap_in,
+            )
+        if not scheduler_output.scheduled_requests:
             return AsyncModelRunnerOutput(ModelRunnerOutput([], [], []))
         started = _timing_event(self.device)
-        model_input = build_model_input(scheduler_output, self.states, self.block_size, self.device)
+        model_input = build_model_input(
+            scheduler_output, self.states, self.block_size, self.device, self.uses_mrope
+        )
         if model_input.placeholder_request_ids:
             self._fill_placeholders(model_input)
         assert self.model is not None
@@ -247,13 +267,20 @@ class ModelRunner:
         self.sampling_states.add_request(new.request_id, new.sampling_params, new.prompt_token_ids)
         if new.mm_features:
             self._image_request_ids.add(new.request_id)
-        return CachedRequestState(
+        state = CachedRequestState(
             new.request_id,
             new.num_prompt_tokens,
             new.sampling_params,
             new.prompt_token_ids,
             mm_features=new.mm_features,
         )
+        if self.uses_mrope:  # once per request: its prompt's 3-D positions and their delta
+            model: Any = self.model
+            positions, delta = model.get_mrope_input_positions(
+                new.prompt_token_ids, new.mm_features
+            )
+            state.mrope_positions, state.mrope_position_delta = positions, delta
+        return state
 
     def _sampling_metadata(self, model_input: ModelInput) -> SamplingMetadata:
         return self.sampling_states.build_metadata(

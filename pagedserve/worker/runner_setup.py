@@ -14,9 +14,11 @@ import time
 import torch
 
 from pagedserve.attention.kv_quant import kv_cache_torch_dtype
+from pagedserve.config import host_memory_bytes
 from pagedserve.layers.attention import Attention
 from pagedserve.models.loader import load_model as load_checkpoint
 from pagedserve.step import SchedulerOutput
+from pagedserve.worker.cpu_kv_cache import CpuKVCache
 from pagedserve.worker.cuda_graph import CudaGraphRunner
 from pagedserve.worker.dummy_steps import profiling_step, warm_up_steps
 from pagedserve.worker.model_runner import ModelRunner
@@ -84,6 +86,7 @@ def load_model(runner: ModelRunner) -> None:
         model_config.quantization,
         model_config.model_impl,
         max_model_len=model_config.max_model_len,
+        cpu_offload_bytes=_cpu_offload_bytes(runner),
     )
     runner.attention_layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
     for layer in runner.attention_layers:
@@ -94,6 +97,18 @@ def load_model(runner: ModelRunner) -> None:
         time.perf_counter() - start,
         num_bytes / 2**20,
     )
+
+
+def _cpu_offload_bytes(runner: ModelRunner) -> int:
+    """cpu_offload_gb in bytes; ValueError when it exceeds the host's available memory."""
+    num_bytes = int(runner.config.cache_config.cpu_offload_gb * 2**30)
+    available = host_memory_bytes()
+    if num_bytes and available is not None and num_bytes > available:
+        raise ValueError(
+            f"cpu_offload_gb={runner.config.cache_config.cpu_offload_gb} is more than this "
+            f"host's available memory ({available / 2**30:.1f} GiB)"
+        )
+    return num_bytes
 
 
 def _check_kv_cache_dtype(runner: ModelRunner) -> None:
@@ -188,11 +203,15 @@ def _profile_num_blocks(runner: ModelRunner) -> int:
 
 
 def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
-    """Allocate the KV cache (this pipeline stage's layers only), then capture CUDA graphs
-    for decode batches when they apply (CUDA device, a graph-capturable backend, not
+    """Allocate the KV cache (this pipeline stage's layers only) and its CPU blocks (swap
+    space, the prefix cache's CPU tier: `EngineConfig.cpu_block_counts`), then capture CUDA
+    graphs for decode batches when they apply (CUDA device, a graph-capturable backend, not
     `enforce_eager`, one pipeline stage), then warm up (CUDA).
     Raises ValueError when the cache does not fit (see `_allocate_kv_cache`)."""
     _allocate_kv_cache(runner, num_blocks)
+    num_cpu_blocks = sum(runner.config.cpu_block_counts(kv_block_bytes(runner)))
+    if num_cpu_blocks > 0:
+        runner.cpu_kv_cache = CpuKVCache(runner.kv_caches, num_cpu_blocks)
     # A pipeline stage's forward takes the previous stage's tensors, which the decode graphs
     # do not: pipeline parallelism runs eager (graphs per stage are future work).
     pipelined = runner.config.parallel_config.pipeline_parallel_size > 1
@@ -203,6 +222,7 @@ def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
         and not runner.config.device_config.enforce_eager
         and runner.backend.name == "triton"
         and not pipelined
+        and not runner.config.cache_config.cpu_offload_gb  # hooks around each layer
     ):
         assert runner.model is not None
         runner.cuda_graphs = CudaGraphRunner(
@@ -211,6 +231,7 @@ def initialize_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
             runner.config.model_config.max_model_len,
             runner.block_size,
             runner.device,
+            runner.uses_mrope,
         )
         logger.info("capturing CUDA graphs for decode batches (--enforce-eager skips this)")
         start = time.perf_counter()
@@ -267,7 +288,7 @@ def _allocate_kv_cache(runner: ModelRunner, num_blocks: int) -> None:
         f"{runner.device}; lower kv_cache_memory_bytes, num_gpu_blocks_override or "
         f"gpu_memory_utilization"
     )
-    available = _known_available_ram_bytes()
+    available = host_memory_bytes()
     if runner.device.type == "cpu" and available is not None and num_bytes > available:
         raise ValueError(f"{what} ({available / 2**30:.2f} GiB RAM available)")
     try:
@@ -298,17 +319,5 @@ def _allocate_kv_tensors(runner: ModelRunner, num_blocks: int) -> None:
 
 def _available_ram_bytes() -> int:
     """MemAvailable (Linux), else a guess of 8 GiB: for sizing the default CPU KV cache."""
-    known = _known_available_ram_bytes()
+    known = host_memory_bytes()
     return 8 << 30 if known is None else known
-
-
-def _known_available_ram_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, or None where there is none (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

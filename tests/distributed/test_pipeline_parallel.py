@@ -197,6 +197,21 @@ def test_abort_and_preemption_with_steps_in_flight(model_paths: dict[str, Path])
         engine.shutdown()
 
 
+def test_swap_preemption_matches_single_process(
+    model_paths: dict[str, Path], expected: dict[str, list[tuple[list[int], float]]]
+) -> None:
+    """preemption_mode 'swap': each stage copies its own layers' blocks to its CPU swap
+    space and back, in step order with the steps in flight."""
+    path = model_paths["llama4"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    options = dict(engine_options(path), preemption_mode="swap", swap_space=0.01)
+    with LLM(str(path), **options, pipeline_parallel_size=2) as llm:
+        outputs = llm.generate(prompts_for(path), params, use_tqdm=False)
+        assert llm.llm_engine.engine_core.kv_cache.num_swapped_out_blocks > 0
+    got = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob or 0.0) for o in outputs]
+    assert_same_outputs(got, expected["llama4"])
+
+
 def test_prompt_logprobs_and_seeded_sampling_match_single_process() -> None:
     """The last stage scores the prompt (prompt_logprobs) and samples with the request's seed
     as one process does."""

@@ -98,3 +98,42 @@ def test_killed_ray_worker_fails_generation() -> None:
         thread.join()
     assert wait_gone(pids, timeout_s=5.0) == []
     llm.shutdown()
+
+
+def test_ray_data_parallel_cores_share_the_cluster() -> None:
+    """-dp 2 with the Ray backend: both engine cores join this cluster (RAY_ADDRESS) rather
+    than start their own, and greedy outputs equal one engine's."""
+    import asyncio
+
+    from pagedserve.engine.arg_utils import EngineArgs
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+
+    path = SHARED_MODELS / "stories260k"
+    prompts = ["Once upon a time", "Lily and Ben", "The cat", "One day"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(str(path), device="cpu", num_gpu_blocks_override=256) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    args = EngineArgs(
+        str(path),
+        device="cpu",
+        num_gpu_blocks_override=256,
+        data_parallel_size=2,
+        distributed_executor_backend="ray",
+    )
+    engine = AsyncLLMEngine(args, log_stats=False)
+
+    async def generate(prompt: str, request_id: str) -> list[int]:
+        outputs = [output async for output in engine.generate(prompt, params, request_id)]
+        return outputs[-1].outputs[0].token_ids
+
+    async def generate_all() -> list[list[int]]:
+        return list(await asyncio.gather(*(generate(p, f"r{i}") for i, p in enumerate(prompts))))
+
+    try:
+        assert ray.available_resources().get("CPU") == 2  # one actor per core, here
+        got = asyncio.run(generate_all())
+        assert got == expected
+        served = [m.request_success["length"]._value.get() for m in engine.engine_metrics]
+        assert served == [2, 2]
+    finally:
+        engine.shutdown()

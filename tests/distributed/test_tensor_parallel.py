@@ -101,3 +101,26 @@ def test_worker_startup_error_reaches_the_caller(
         LLM(str(tmp_path), device="cpu", skip_tokenizer_init=True, tensor_parallel_size=2)
     assert "in the worker process" in str(info.value.__cause__)
     assert wait_gone([p.pid for p in multiprocessing.active_children()], 5.0) == []
+
+
+def test_swap_space_matches_single_rank(model_paths: dict[str, Path]) -> None:
+    """preemption_mode "swap" with TP=2 (each rank copies its own KV heads under the same
+    block ids) and async scheduling: TP=1's greedy outputs, and requests were swapped."""
+    from ._helpers import engine_options, prompts_for
+
+    path = model_paths["llama_gqa"]
+    expected = greedy_outputs(path)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    with LLM(
+        str(path),
+        **engine_options(path),
+        tensor_parallel_size=2,
+        async_scheduling=True,
+        preemption_mode="swap",
+        swap_space=0.01,
+    ) as llm:
+        outputs = llm.generate(prompts_for(path), params, use_tqdm=False)
+        scheduler = llm.llm_engine.scheduler
+        assert scheduler.num_swap_outs_total == scheduler.num_preemptions_total > 0
+    got = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob or 0.0) for o in outputs]
+    assert_same_outputs(got, expected)

@@ -64,6 +64,10 @@ def test_images_survive_the_wire(dtype: type) -> None:
         MultiModalFeature(p, offset, 4, hash_pixels(p))
         for p, offset in zip(pixels, (2, 9), strict=True)
     ]
+    # Qwen2-VL's: flattened patches of its own grid (t, h, w)
+    patches = rng.standard_normal((16, 12)).astype(dtype)
+    grid = (1, 4, 4)
+    features.append(MultiModalFeature(patches, 11, 4, hash_pixels(patches, grid), grid_thw=grid))
     request = EngineCoreRequest("r", [1] * 16, SamplingParams(max_tokens=3))
     request.mm_features = [feature_to_data(f) for f in features]
     decoded = decode_to_core(encode(AddRequests([request])))
@@ -75,9 +79,11 @@ def test_images_survive_the_wire(dtype: type) -> None:
         assert got.pixel_values.dtype == sent.pixel_values.dtype
         np.testing.assert_array_equal(got.pixel_values, sent.pixel_values)
         assert got.pixel_values.flags.writeable  # torch.from_numpy shares it without a warning
-        assert (got.offset, got.length, got.identifier, got.modality) == (
-            sent.offset, sent.length, sent.identifier, "image",
+        assert (got.offset, got.length, got.identifier, got.modality, got.grid_thw) == (
+            sent.offset, sent.length, sent.identifier, "image", sent.grid_thw,
         )  # fmt: skip
+    assert rebuilt[-1].grid_thw == (1, 4, 4) and rebuilt[0].grid_thw is None
+    assert hash_pixels(patches, grid) != hash_pixels(patches, (1, 2, 8))
 
 
 def test_default_max_tokens_crosses_as_a_plain_int() -> None:

@@ -136,14 +136,14 @@ def test_a_bad_serve_flag_prints_serves_usage(capsys: pytest.CaptureFixture[str]
     assert "usage: pagedserve serve" in err and "unrecognized arguments: --no-such-flag" in err
 
 
-def test_data_parallel_size_above_one_is_refused_by_name() -> None:
-    with pytest.raises(SystemExit, match="data_parallel_size must be 1: .* not supported yet"):
-        cli_main(["generate", "-dp", "2"])
-
-
 def test_pipeline_parallel_size_parses_in_both_forms() -> None:
     assert parse(["serve", "m", "-pp", "2"]).pipeline_parallel_size == 2
     assert parse(["serve", "m", "--pipeline-parallel-size", "3"]).pipeline_parallel_size == 3
+
+
+def test_data_parallel_size_below_one_is_refused_by_name() -> None:
+    with pytest.raises(SystemExit, match="data_parallel_size must be at least 1, got 0"):
+        cli_main(["generate", "-dp", "0"])
 
 
 def test_api_server_module_takes_the_same_forms(monkeypatch: pytest.MonkeyPatch) -> None:

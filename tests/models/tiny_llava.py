@@ -2,6 +2,7 @@
 and the server's: sentencepiece-32k with "<image>" added, CLIPImageProcessorPil on 28-px images
 (2x2 patches of 14 px: 4 tokens per image) and llava-hf's chat template."""
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,9 @@ from PIL import Image
 from pagedserve import SamplingParams
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
-TOKENIZER = SHARED / "tokenizers" / "sentencepiece-32k"
+# PAGEDSERVE_TEST_TOKENIZERS: a copy of ../shared/tokenizers (the GPU machine has no ../shared)
+TOKENIZERS = Path(os.environ.get("PAGEDSERVE_TEST_TOKENIZERS", SHARED / "tokenizers"))
+TOKENIZER = TOKENIZERS / "sentencepiece-32k"
 TEXT_MODEL = SHARED / "models" / "tinystories-656k"
 IMAGE_TOKEN_ID = 32000  # "<image>" added to the 32000-token tokenizer
 IMAGE_SIZE, PATCH_SIZE = 28, 14  # 2x2 patches: 4 tokens per image ("default" drops CLS)

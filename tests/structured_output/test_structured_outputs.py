@@ -160,9 +160,15 @@ def test_n_and_seeds(llm: LLM) -> None:
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_preemption_keeps_grammar_state(tiny_qwen3: Path) -> None:
-    """A cache of a few blocks preempts (recompute) requests mid-output; their grammars
-    must match the kept tokens, so the outputs equal those of an unpreempted run."""
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"preemption_mode": "swap", "swap_space": 0.01, "async_scheduling": True}],
+    ids=["recompute", "swap-async"],
+)
+def test_preemption_keeps_grammar_state(tiny_qwen3: Path, options: dict[str, Any]) -> None:
+    """A cache of a few blocks preempts requests mid-output (recomputed, or swapped out and
+    back with a token in flight); their grammars must match the kept tokens, so the outputs
+    equal those of an unpreempted run."""
     schema = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
               "minItems": 4, "maxItems": 6}  # fmt: skip
     params = [
@@ -174,10 +180,15 @@ def test_preemption_keeps_grammar_state(tiny_qwen3: Path) -> None:
     expected = texts(roomy, prompts, params)
     roomy.llm_engine.shutdown()
     tight = make_llm(
-        tiny_qwen3, num_gpu_blocks_override=12, max_model_len=96, max_num_batched_tokens=96
+        tiny_qwen3,
+        num_gpu_blocks_override=12,
+        max_model_len=96,
+        max_num_batched_tokens=96,
+        **options,
     )
     got = texts(tight, prompts, params)
     assert tight.llm_engine.scheduler.num_preemptions_total > 0
+    assert (tight.llm_engine.scheduler.num_swap_outs_total > 0) == bool(options)
     tight.llm_engine.shutdown()
     assert got == expected
     for text, finish in got:

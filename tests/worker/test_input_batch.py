@@ -96,3 +96,32 @@ def test_build_model_input_equals_the_reference_flattening(batch: Batch) -> None
     assert model_input.placeholder_positions.tolist() == placeholders
     owners = [r.request_id for r in batch.requests for t in r.token_ids]
     assert model_input.placeholder_request_ids == [owners[i] for i in placeholders]
+
+
+def test_mrope_positions_of_chunks_hits_and_decodes() -> None:
+    """An M-RoPE model's positions [3, num_tokens]: prompt tokens from the request's
+    mrope_positions wherever the step starts in them (a chunk crossing the prompt's end, a
+    prefix-cache hit), later tokens their index + mrope_position_delta on all three axes;
+    the KV slots still follow the token index."""
+    import numpy as np
+
+    prompt = np.array([[0, 1, 2, 2, 2, 2, 4], [0, 1, 2, 2, 3, 3, 4], [0, 1, 2, 3, 2, 3, 4]])
+    params = SamplingParams()
+    states = {
+        "chunk": CachedRequestState("chunk", 7, params, [5] * 7, [0, 1],
+                                    mrope_positions=prompt, mrope_position_delta=-2),
+        "decode": CachedRequestState("decode", 7, params, [5] * 7, [2, 3, 5],
+                                     mrope_positions=prompt, mrope_position_delta=-2),
+        "text": CachedRequestState("text", 3, params, [5] * 3, [4]),
+    }  # fmt: skip
+    scheduled = [
+        ScheduledRequest("chunk", [5] * 5, 3, [], True),  # prompt 3..6, then (resumed) token 7
+        ScheduledRequest("decode", [PLACEHOLDER_TOKEN_ID], 9, [], True),
+        ScheduledRequest("text", [5, 5], 1, [], True),
+    ]
+    model_input = build_model_input(
+        SchedulerOutput([], scheduled, set()), states, 4, torch.device("cpu"), mrope=True
+    )
+    expected = [[2, 2, 2, 4, 5, 7, 1, 2], [2, 3, 3, 4, 5, 7, 1, 2], [3, 2, 3, 4, 5, 7, 1, 2]]
+    assert model_input.positions.tolist() == expected
+    assert model_input.attn_metadata.slot_mapping.tolist() == [3, 4, 5, 6, 7, 21, 17, 18]

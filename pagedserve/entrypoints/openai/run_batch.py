@@ -181,7 +181,11 @@ def main(args: argparse.Namespace) -> int:
             engine, args.served_model_name, chat_template=chat_template, model_root=args.model,
             media=media,
         )  # fmt: skip
-        max_in_flight = 2 * engine.config.scheduler_config.max_num_seqs  # as vLLM
+        # as vLLM; each data-parallel engine core runs max_num_seqs of its own
+        config = engine.config
+        max_in_flight = (
+            2 * config.scheduler_config.max_num_seqs * config.parallel_config.data_parallel_size
+        )
 
         async def run() -> list[dict[str, Any]]:
             engine.start()

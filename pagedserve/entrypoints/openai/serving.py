@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 from fastapi import Request
 
-from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.input_processor import PromptType
+from pagedserve.engine.request_stream import RequestStream
 from pagedserve.errors import (
     EngineDeadError,
     EngineOverloadedError,

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.logprob_text import LogprobBytes
+from pagedserve.engine.request_stream import RequestStream
 from pagedserve.entrypoints.chat_media import ChatPrompt, MediaOptions, load_chat_images
 from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.errors import InvalidRequestError

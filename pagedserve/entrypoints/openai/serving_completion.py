@@ -10,10 +10,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagedserve.engine.async_engine import RequestStream
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.logprob_text import first_token_text
 from pagedserve.engine.prompt_bound import check_prompt_chars
+from pagedserve.engine.request_stream import RequestStream
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import DEFAULT_MAX_TOKENS
 
