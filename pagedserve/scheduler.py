@@ -256,6 +256,7 @@ class Scheduler:
                 if self.running.index(victim) < i:  # priority: one this loop went past
                     i -= 1
                     plan.remove(victim)
+                    self.kv_cache.forget_unwritten(victim)
                 self.running.remove(victim)
                 self._preempt(victim)
                 plan.num_preempted += 1

@@ -426,3 +426,25 @@ def test_prompt_logprobs_skip_reading_but_fill_the_prefix_cache() -> None:
     run_step(scheduler)
     assert after.num_cached_tokens == 8  # two full blocks of 4, from "plain" and "scored"
     assert scheduler.kv_cache.num_query_tokens == queries + 9  # "scored" was no lookup
+
+
+def test_a_victim_unplanned_in_its_step_leaves_no_unwritten_block_in_the_prefix_cache() -> None:
+    """Priority policy: "low" is planned first in a step (its decode token completes its
+    second block, which allocate_slots indexes ahead of the write), then "high" needs a block
+    and preempts it. The step never writes that block, so no later request may hit it (here
+    the preemptor takes the freed block at once; test_kv_cache_manager's
+    test_blocks_indexed_ahead_of_their_write_are_forgotten_when_unplanned covers the blocks
+    that stay free)."""
+    scheduler = make_scheduler(num_blocks=3, block_size=4, scheduling_policy="priority")
+    low = Request("low", list(range(100, 106)), SamplingParams(max_tokens=8), priority=1)
+    scheduler.add_request(low)
+    run_step(scheduler)  # low's prefill: 6 tokens in blocks 0-1
+    scheduler.add_request(Request("high", [200, 201, 202, 203], SamplingParams(max_tokens=8)))
+    run_step(scheduler)  # low's position 6; high's prefill fills the third and last block
+    out = run_step(scheduler)  # low's position 7 fills its block 1; high needs a new block
+    assert [r.request_id for r in out.scheduled_requests] == ["high"]
+    assert scheduler.num_preemptions_total == 1
+    again = Request("again", [*low.all_token_ids[:8], 999], SamplingParams(max_tokens=1))
+    _, num_hit_tokens = scheduler.kv_cache.get_computed_blocks(again)
+    assert num_hit_tokens == 4  # block 0, written in step 1; not block 1
+    scheduler.kv_cache.check_invariants()
