@@ -98,3 +98,32 @@ def placeholder_ranges(
         ranges.append((run[0], length))
         start += length
     return ranges
+
+
+def fit_encoder_budget(
+    features: Sequence[MultiModalFeature],
+    start: int,
+    num_new_tokens: int,
+    budget: int,
+    budget_untouched: bool,
+    admitted: bool,
+) -> tuple[int, int]:
+    """How many of a request's `num_new_tokens` from prompt position `start` a step can feed
+    under the encoder budget (vLLM's encoder compute budget, in embedding rows: the images
+    this step must encode), and the budget they spend: (num_new_tokens, encoder tokens).
+
+    An image costs its `length` in the step that first feeds one of its tokens: one starting
+    in [start, start + num_new_tokens), or, when the request was `admitted` this step (after
+    a prefix hit or a preemption the worker has no encoding of it), one under way at `start`.
+    The chunk is cut before the first image past `budget`; an image larger than the whole
+    budget still runs, alone, in a step whose budget is `budget_untouched`. A result of 0
+    tokens means the request waits for the next step."""
+    end = start + num_new_tokens
+    cost = 0
+    for feature in sorted(features, key=lambda f: f.offset):
+        if not feature.overlaps(start, end) or (feature.offset < start and not admitted):
+            continue
+        if cost + feature.length > budget and (cost > 0 or not budget_untouched):
+            return max(feature.offset - start, 0), cost
+        cost += feature.length
+    return num_new_tokens, cost

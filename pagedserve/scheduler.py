@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.messages import EngineCoreOutput
+from pagedserve.multimodal import fit_encoder_budget
 from pagedserve.request import FINISH_REASONS, Request, RequestStatus
 from pagedserve.request_queue import create_request_queue, select_victim
 from pagedserve.step import (
@@ -24,6 +25,7 @@ from pagedserve.structured_output.step_bitmask import grammar_output
 @dataclass(slots=True)
 class _StepPlan:
     token_budget: int
+    encoder_budget: int  # embedding rows of the images this step may encode
     new_requests: list[NewRequestData] = field(default_factory=list)
     scheduled: list[tuple[Request, int, list[int]]] = field(default_factory=list)
     num_preempted: int = 0
@@ -54,6 +56,10 @@ class Scheduler:
     they can come back (recomputed after all when swap space is full). The step's block copies
     (swaps, and the prefix cache's CPU tier) go to the workers in its SchedulerOutput.
     `num_computed_tokens` advances when tokens are scheduled, as in vLLM v1. Imports no torch.
+
+    Images (vision-language models) are encoded in the step that first feeds one of their
+    tokens; a step's images may total max_num_batched_tokens embedding rows (vLLM's encoder
+    budget), and a chunk stops before an image past it (`multimodal.fit_encoder_budget`).
 
     Structured outputs (`structured_output_manager`): a constrained request waits, skipped,
     until its grammar is compiled; each step carries the bitmask of the constrained requests
@@ -161,7 +167,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: spend `max_num_batched_tokens` on running, then waiting requests."""
-        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        # The encoder budget is vLLM's default, max_num_batched_tokens rows a step.
+        budget = self.config.max_num_batched_tokens
+        plan = _StepPlan(token_budget=budget, encoder_budget=budget)
         self._schedule_running(plan)
         if plan.num_preempted == 0:
             self._schedule_waiting(plan)
@@ -252,6 +260,11 @@ class Scheduler:
                     and request.num_output_placeholders > 0
                     and not self.defer_grammar
                 )
+                or not (
+                    num_new_tokens := self._fit_encoder_budget(
+                        plan, request, request.num_computed_tokens, num_new_tokens, False
+                    )
+                )
             ):
                 i += 1
                 continue
@@ -260,6 +273,7 @@ class Scheduler:
                 if self.running.index(victim) < i:  # priority: one this loop went past
                     i -= 1
                     plan.remove(victim)
+                    self.kv_cache.forget_unwritten(victim)
                 self.running.remove(victim)
                 self._preempt(victim)
                 plan.num_preempted += 1
@@ -306,6 +320,11 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     return
                 num_new_tokens = plan.token_budget
+            num_new_tokens = self._fit_encoder_budget(
+                plan, request, num_hit_tokens, num_new_tokens, True
+            )
+            if num_new_tokens == 0:
+                return  # its next image waits for the next step's encoder budget
             if swapped:
                 new_block_ids = self.kv_cache.swap_in(request, num_new_tokens)
             else:
@@ -332,6 +351,25 @@ class Scheduler:
                 )
             )
             plan.add(request, num_new_tokens, new_block_ids)
+
+    def _fit_encoder_budget(
+        self, plan: _StepPlan, request: Request, start: int, num_new_tokens: int, admitted: bool
+    ) -> int:
+        """`multimodal.fit_encoder_budget` for the request's chunk from prompt position
+        `start`; spends the plan's encoder budget."""
+        if not request.mm_features or num_new_tokens == 0:
+            return num_new_tokens
+        untouched = plan.encoder_budget == self.config.max_num_batched_tokens
+        num_new_tokens, cost = fit_encoder_budget(
+            request.mm_features,
+            start,
+            num_new_tokens,
+            plan.encoder_budget,
+            untouched,
+            admitted,
+        )
+        plan.encoder_budget -= cost
+        return num_new_tokens
 
     def _ends_in_flight(self, request: Request) -> bool:
         """The token the step in flight samples for `request` is its last (length limits),

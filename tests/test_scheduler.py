@@ -2,11 +2,13 @@
 
 import random
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache.manager import KVCacheManager, max_blocks_held
+from pagedserve.multimodal import MultiModalFeature
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
@@ -426,3 +428,65 @@ def test_prompt_logprobs_skip_reading_but_fill_the_prefix_cache() -> None:
     run_step(scheduler)
     assert after.num_cached_tokens == 8  # two full blocks of 4, from "plain" and "scored"
     assert scheduler.kv_cache.num_query_tokens == queries + 9  # "scored" was no lookup
+
+
+def test_a_victim_unplanned_in_its_step_leaves_no_unwritten_block_in_the_prefix_cache() -> None:
+    """Priority policy: "low" is planned first in a step (its decode token completes its
+    second block, which allocate_slots indexes ahead of the write), then "high" needs a block
+    and preempts it. The step never writes that block, so no later request may hit it (here
+    the preemptor takes the freed block at once; test_kv_cache_manager's
+    test_blocks_indexed_ahead_of_their_write_are_forgotten_when_unplanned covers the blocks
+    that stay free)."""
+    scheduler = make_scheduler(num_blocks=3, block_size=4, scheduling_policy="priority")
+    low = Request("low", list(range(100, 106)), SamplingParams(max_tokens=8), priority=1)
+    scheduler.add_request(low)
+    run_step(scheduler)  # low's prefill: 6 tokens in blocks 0-1
+    scheduler.add_request(Request("high", [200, 201, 202, 203], SamplingParams(max_tokens=8)))
+    run_step(scheduler)  # low's position 6; high's prefill fills the third and last block
+    out = run_step(scheduler)  # low's position 7 fills its block 1; high needs a new block
+    assert [r.request_id for r in out.scheduled_requests] == ["high"]
+    assert scheduler.num_preemptions_total == 1
+    again = Request("again", [*low.all_token_ids[:8], 999], SamplingParams(max_tokens=1))
+    _, num_hit_tokens = scheduler.kv_cache.get_computed_blocks(again)
+    assert num_hit_tokens == 4  # block 0, written in step 1; not block 1
+    scheduler.kv_cache.check_invariants()
+
+
+def image_request(request_id: str, num_prompt: int, images: list[tuple[int, int]]) -> Request:
+    """A prompt whose images (offset, length) stand in for a vision-language model's."""
+    features = [
+        MultiModalFeature(np.zeros(1, np.float32), offset, length, f"{request_id}-{offset}")
+        for offset, length in images
+    ]
+    return Request(request_id, list(range(100, 100 + num_prompt)), SamplingParams(max_tokens=2),
+                   mm_features=features)  # fmt: skip
+
+
+def test_encoder_budget_cuts_a_chunk_before_the_image_that_does_not_fit() -> None:
+    """The step's encoder budget (max_num_batched_tokens embedding rows, vLLM's default) is
+    spent by the images a step starts; a chunk stops before the first one past it."""
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    scheduler.add_request(image_request("a", 40, [(2, 10), (14, 10), (26, 3)]))
+    scheduler.add_request(image_request("b", 8, [(0, 4)]))
+    steps = [
+        [(r.request_id, r.num_new_tokens) for r in run_step(scheduler).scheduled_requests]
+        for _ in range(3)
+    ]
+    # Step 1: a's image 1 (10 rows) fits, its image 2 (10 more) does not: a stops at 14;
+    # b's image (4 of the 6 rows left) fits in its 2 tokens of budget.
+    assert steps[0] == [("a", 14), ("b", 2)]
+    assert steps[1] == [("a", 16)]  # images 2 and 3 (13 rows) from position 14
+    assert steps[2] == [("a", 10), ("b", 6)]  # b's image is encoded already
+
+
+def test_an_image_larger_than_the_budget_runs_alone() -> None:
+    """An image of more rows than the whole budget waits for a step that starts no other
+    image, then runs (the text before it does not wait)."""
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(image_request("small", 4, [(0, 2)]))
+    scheduler.add_request(image_request("big", 30, [(1, 20)]))
+    steps = [
+        [(r.request_id, r.num_new_tokens) for r in run_step(scheduler).scheduled_requests]
+        for _ in range(2)
+    ]
+    assert steps == [[("small", 4), ("big", 1)], [("small", 1), ("big", 7)]]

@@ -5,8 +5,10 @@ LlavaProcessor; `ImagePromptProcessor` for Qwen2-VL without torchvision), as vLL
 multimodal processors wrap the HF processor.
 """
 
+import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,8 @@ from pagedserve.errors import InvalidRequestError
 from pagedserve.multimodal import MultiModalFeature, hash_pixels, placeholder_ranges
 
 SUPPORTED_MODALITIES = ("image",)
+_PREFETCH_THREADS = min(8, os.cpu_count() or 1)
+_Processed = tuple[list[int], tuple[MultiModalFeature, ...]]
 
 
 class MultiModalProcessor:
@@ -38,6 +42,8 @@ class MultiModalProcessor:
         self.trust_remote_code = trust_remote_code
         self._processor: Any = None
         self._lock = threading.Lock()
+        # (text, id(multi_modal_data)) -> `prefetch`'s result or error for `process`
+        self._prefetched: dict[tuple[str, int], _Processed | Exception] = {}
 
     @property
     def processor(self) -> Any:
@@ -81,13 +87,41 @@ class MultiModalProcessor:
         template = getattr(self.processor, "chat_template", None)
         return template if isinstance(template, str) else None
 
-    def process(
-        self, text: str, mm_data: Mapping[str, Any]
-    ) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
+    def prefetch(self, items: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+        """Process many prompts at once on a thread pool (the image processor's PIL and
+        numpy work runs outside the GIL), keeping each result, or its error, for the
+        `process` call that follows with the same text and multi_modal_data object: an
+        offline batch's images are prepared in parallel instead of one by one before the
+        first step. `clear_prefetched` drops what was not asked for."""
+        if len(items) < 2:
+            return
+        self.processor  # noqa: B018 (load it once, before the threads)
+
+        def run(item: tuple[str, Mapping[str, Any]]) -> _Processed | Exception:
+            try:
+                return self._process(*item)
+            except Exception as e:  # handed to the process() call that asks for it
+                return e
+
+        workers = min(len(items), _PREFETCH_THREADS)
+        with ThreadPoolExecutor(workers, thread_name_prefix="mm-prefetch") as pool:
+            for (text, mm_data), result in zip(items, pool.map(run, items), strict=True):
+                self._prefetched[(text, id(mm_data))] = result
+
+    def clear_prefetched(self) -> None:
+        self._prefetched.clear()
+
+    def process(self, text: str, mm_data: Mapping[str, Any]) -> _Processed:
         """(prompt token ids, the images in prompt order). Raises InvalidRequestError naming
         multi_modal_data for an unknown modality, more images than `max_images`, an image
         that is not a PIL image, or a prompt whose image placeholders do not match the
         images given."""
+        result = self._prefetched.pop((text, id(mm_data)), None)
+        if isinstance(result, Exception):
+            raise result
+        return result if result is not None else self._process(text, mm_data)
+
+    def _process(self, text: str, mm_data: Mapping[str, Any]) -> _Processed:
         images = _images(mm_data)
         if len(images) > self.max_images:
             raise InvalidRequestError(

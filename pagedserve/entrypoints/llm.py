@@ -2,7 +2,7 @@
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -284,7 +284,10 @@ class LLM:
         request_ids = []
         if priorities is None:
             priorities = [0] * len(prompts)
+        mm_processor = engine.input_processor.mm_processor
         try:
+            if mm_processor is not None:
+                mm_processor.prefetch(_mm_items(prompts))  # the images, in parallel
             for prompt, params, priority in zip(prompts, params_list, priorities, strict=True):
                 request_id = str(next(self._request_counter))
                 final = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -293,6 +296,9 @@ class LLM:
         except Exception:
             engine.abort_request(request_ids)  # nothing half-submitted stays behind
             raise
+        finally:
+            if mm_processor is not None:
+                mm_processor.clear_prefetched()
         outputs: dict[str, RequestOutput] = {}
         num_in = num_out = 0  # tokens of the finished requests, for the bar's speeds
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -317,3 +323,14 @@ class LLM:
                 engine.abort_request(request_ids)
                 raise
         return [outputs[request_id] for request_id in request_ids]
+
+
+def _mm_items(prompts: list[PromptType]) -> list[tuple[str, Any]]:
+    """(text, multi_modal_data) of the prompts that have both, for MultiModalProcessor.prefetch."""
+    return [
+        (prompt["prompt"], prompt["multi_modal_data"])
+        for prompt in prompts
+        if isinstance(prompt, Mapping)
+        and isinstance(prompt.get("prompt"), str)
+        and prompt.get("multi_modal_data") is not None
+    ]

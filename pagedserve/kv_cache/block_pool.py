@@ -104,6 +104,13 @@ class BlockPool:
             self.cached[block_hash] = block
             block.block_hash = block_hash
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Drop a block from the index without evicting it anywhere (its K/V will never be
+        written: see KVCacheManager.forget_unwritten); its holders keep it."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block: free ones, and those requests still hold (they stay
         theirs, but no later request hits them, now or once they are freed)."""

@@ -327,6 +327,19 @@ class KVCacheManager:
             blocks[i] = null
         self.block_pool.free(released)
 
+    def forget_unwritten(self, request: Request) -> None:
+        """Un-index the blocks that this step's `allocate_slots` indexed for `request` ahead of
+        their writes (those past its `num_computed_tokens`), for a request unplanned before the
+        step runs (the "priority" policy's victim, preempted by a request after it): no later
+        request may hit a block whose K/V no forward wrote."""
+        num_written = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        num_indexed = self.num_cached_blocks.get(request.request_id, 0)
+        if num_indexed <= num_written:
+            return
+        for block in self.req_to_blocks[request.request_id][num_written:num_indexed]:
+            self.block_pool.uncache(block)
+        self.num_cached_blocks[request.request_id] = num_written
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so the tail is evicted first), indexing
         first the computed blocks whose tokens are all known by now: with async scheduling

@@ -18,11 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.layers.activation import get_act_fn
-from pagedserve.layers.linear import get_weight_loader
 from pagedserve.models.clip import CLIPVisionTower, hidden_state_index
-from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, _param
+from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM
+from pagedserve.models.vlm_base import VisionLanguageModel
 from pagedserve.multimodal import MultiModalFeature, image_token_id
 from pagedserve.quant_config import QuantizationConfig
 
@@ -62,7 +61,7 @@ class LlavaMultiModalProjector(nn.Module):
         return out
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     """LLaVA-1.5 for paged inference; `forward` and `compute_logits` are the language
     model's, with `inputs_embeds` carrying the images (see the module docstring)."""
 
@@ -98,16 +97,6 @@ class LlavaForConditionalGeneration(nn.Module):
         self.language_model = language_cls(text_config, quant_config)
         self.image_token_id = image_token_id(hf_config)
 
-    def embed_input_ids(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens] int64
-    ) -> torch.Tensor:  # [num_tokens, text_hidden] float
-        """The language model's token embeddings (placeholders included: their rows are
-        replaced by the images' before the forward)."""
-        embed_tokens: nn.Module = self.language_model.model.embed_tokens  # type: ignore[assignment]
-        embeddings: torch.Tensor = embed_tokens(input_ids)
-        return embeddings
-
     def embed_multimodal(
         self,
         pixel_values: torch.Tensor,  # [num_images, num_channels, image_size, image_size]
@@ -128,53 +117,11 @@ class LlavaForConditionalGeneration(nn.Module):
         pixels = np.stack([feature.pixel_values for feature in features])
         return self.embed_multimodal(torch.from_numpy(pixels).to(device))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens] int64
-        positions: torch.Tensor,  # [num_tokens] int64
-        attn_metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, text_hidden] float
-    ) -> torch.Tensor:  # [num_tokens, text_hidden] float, final norm applied
-        """Without `inputs_embeds` the tokens are embedded as text (a step that feeds no
-        image token: decode, or a chunk of text)."""
-        hidden_states: torch.Tensor = self.language_model(
-            input_ids, positions, attn_metadata, inputs_embeds
-        )
-        return hidden_states
-
-    def compute_logits(
-        self,
-        hidden_states: torch.Tensor,  # [num_tokens, text_hidden] float
-    ) -> torch.Tensor:  # [num_tokens, vocab_size] float32
-        return self.language_model.compute_logits(hidden_states)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load either checkpoint layout (`_PREFIXES`); returns the names of our parameters
         loaded. Vision layers past the deepest feature layer and `post_layernorm` are
         skipped (never run)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        language_prefix = "language_model."
-
-        # One pass over the checkpoint (tensors are read one at a time): the language
-        # model's go on to its own load_weights, the vision tower's and projector's are
-        # loaded here as they pass.
-        def language_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for checkpoint_name, tensor in weights:
-                name = _our_name(checkpoint_name)
-                if name.startswith(language_prefix):
-                    yield name[len(language_prefix) :], tensor
-                elif name not in params and self._is_unused_vision_weight(name):
-                    continue
-                elif name not in params:
-                    _param(params, name, checkpoint_name)  # raises, naming the tensor
-                else:
-                    get_weight_loader(params[name])(params[name], tensor)
-                    loaded.add(name)
-
-        for name in self.language_model.load_weights(language_weights()):
-            loaded.add(language_prefix + name)
-        return loaded
+        return self._load_weights(weights, _our_name, self._is_unused_vision_weight)
 
     def _is_unused_vision_weight(self, name: str) -> bool:
         if name.startswith("vision_tower.post_layernorm."):

@@ -18,14 +18,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from torch import nn
 
-from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.layers.linear import get_weight_loader
 from pagedserve.layers.rotary import MRotaryEmbedding, read_rope_parameters
-from pagedserve.models.llama import _param, get_head_dim
+from pagedserve.models.llama import get_head_dim
 from pagedserve.models.qwen2 import Qwen2ForCausalLM
 from pagedserve.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
+from pagedserve.models.vlm_base import VisionLanguageModel
 from pagedserve.multimodal import MultiModalFeature, image_token_id
 from pagedserve.quant_config import QuantizationConfig
 
@@ -40,7 +38,7 @@ _PREFIXES: tuple[tuple[str, str], ...] = (
 )
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
+class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel):
     """Qwen2.5-VL for paged inference; `forward` and `compute_logits` are the language
     model's, with `inputs_embeds` carrying the images (see the module docstring).
 
@@ -69,7 +67,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         self.visual = Qwen2_5_VisionTransformer(vision_config)
         self.language_model = Qwen2ForCausalLM(text_config, quant_config)
         rotary = _mrope(text_config)
-        for layer in self.language_model.model.layers:  # type: ignore[union-attr]
+        for layer in self.language_model.model.layers:
             layer.self_attn.rotary_emb = rotary
         self.image_token_id = image_token_id(hf_config)
         self.merge_size = int(vision_config.spatial_merge_size)
@@ -102,16 +100,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         delta = int(positions.max()) + 1 - n if n else 0
         return positions, delta
 
-    def embed_input_ids(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens] int64
-    ) -> torch.Tensor:  # [num_tokens, text_hidden] float
-        """The language model's token embeddings (placeholders included: their rows are
-        replaced by the images' before the forward)."""
-        embed_tokens: nn.Module = self.language_model.model.embed_tokens  # type: ignore[assignment]
-        embeddings: torch.Tensor = embed_tokens(input_ids)
-        return embeddings
-
     def embed_multimodal(
         self,
         pixel_values: torch.Tensor,  # [total_patches, C * T * P * P] float, images back to back
@@ -136,49 +124,10 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         pixels = np.concatenate([feature.pixel_values for feature in features])
         return self.embed_multimodal(torch.from_numpy(pixels).to(device), grids)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens] int64
-        positions: torch.Tensor,  # [3, num_tokens] int64 (M-RoPE)
-        attn_metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, text_hidden] float
-    ) -> torch.Tensor:  # [num_tokens, text_hidden] float, final norm applied
-        """Without `inputs_embeds` the tokens are embedded as text (a step that feeds no
-        image token: decode, or a chunk of text)."""
-        hidden_states: torch.Tensor = self.language_model(
-            input_ids, positions, attn_metadata, inputs_embeds
-        )
-        return hidden_states
-
-    def compute_logits(
-        self,
-        hidden_states: torch.Tensor,  # [num_tokens, text_hidden] float
-    ) -> torch.Tensor:  # [num_tokens, vocab_size] float32
-        return self.language_model.compute_logits(hidden_states)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load either checkpoint layout (`_PREFIXES`); returns the names of our parameters
-        loaded. Raises KeyError (as the language models do) for a tensor we have no
-        parameter for."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        language_prefix = "language_model."
-
-        # One pass over the checkpoint: the language model's tensors go on to its own
-        # load_weights, the vision encoder's are loaded here as they pass.
-        def language_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for checkpoint_name, tensor in weights:
-                name = _our_name(checkpoint_name)
-                if name.startswith(language_prefix):
-                    yield name[len(language_prefix) :], tensor
-                    continue
-                param = _param(params, name, checkpoint_name)  # raises, naming the tensor
-                get_weight_loader(param)(param, tensor)
-                loaded.add(name)
-
-        for name in self.language_model.load_weights(language_weights()):
-            loaded.add(language_prefix + name)
-        return loaded
+        loaded. Raises UnsupportedModelError naming a tensor we have no parameter for."""
+        return self._load_weights(weights, _our_name)
 
 
 def _mrope(text_config: Any) -> MRotaryEmbedding:

@@ -216,3 +216,17 @@ def test_reset_prefix_cache_forgets_blocks_that_running_requests_hold() -> None:
     manager.free(again)
     hits, num_hit_tokens = manager.get_computed_blocks(make_request("hit", shared + [500]))
     assert num_hit_tokens == 8
+
+
+def test_blocks_indexed_ahead_of_their_write_are_forgotten_when_unplanned() -> None:
+    """allocate_slots indexes the blocks its tokens will fill; when the scheduler unplans
+    the request before the step runs (a priority victim), forget_unwritten drops them, and
+    the freed blocks give no later request a hit on K/V never written."""
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    request = make_request("victim", list(range(10, 19)))  # 9 tokens
+    assert manager.allocate_slots(request, 8) is not None  # blocks 0-1 indexed, unwritten
+    manager.forget_unwritten(request)
+    manager.free(request)
+    again = make_request("again", list(range(10, 19)))
+    assert manager.get_computed_blocks(again)[1] == 0
+    manager.check_invariants()

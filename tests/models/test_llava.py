@@ -195,6 +195,31 @@ def test_bad_multi_modal_data_is_refused(llm: LLM) -> None:
                         BeamSearchParams(beam_width=2, max_tokens=2))  # fmt: skip
 
 
+def test_a_batch_prepares_its_images_in_parallel(llm: LLM) -> None:
+    """LLM.generate prefetches a batch's images on a thread pool: the same token ids and
+    features as one by one, a bad prompt in the batch still fails naming it, and nothing
+    prefetched stays behind."""
+    processor = llm.llm_engine.input_processor.mm_processor
+    items = [(ONE, {"image": image(i)}) for i in range(3)] + [(TWO, {"image": image(9)})]
+    one_by_one = [processor.process(*item) for item in items[:3]]
+    processor.prefetch(items)
+    for item, (token_ids, features) in zip(items, one_by_one, strict=False):
+        got_ids, got_features = processor.process(*item)
+        assert got_ids == token_ids
+        assert [f.identifier for f in got_features] == [f.identifier for f in features]
+    with pytest.raises(ValueError, match="do not match"):
+        processor.process(*items[3])  # its error, kept for its process() call
+    processor.clear_prefetched()
+    batch = [{"prompt": p, "multi_modal_data": d} for p, d in items]
+    with pytest.raises(ValueError, match="multi_modal_data.*do not match"):
+        llm.generate(batch, GREEDY)
+    assert not llm.llm_engine.has_unfinished_requests() and not processor._prefetched
+    outputs = llm.generate(batch[:3], GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [
+        list(generate(llm, ONE, [image(i)]).outputs[0].token_ids) for i in range(3)
+    ]
+
+
 def test_async_engine_generates_with_images(llava_dir: Path, llm: LLM) -> None:
     """AsyncLLMEngine (its engine core in another process: the images cross the socket as
     bytes) gives the offline engine's greedy tokens for one and two images, concurrently."""
