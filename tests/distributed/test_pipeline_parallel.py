@@ -48,13 +48,24 @@ QWEN3 = transformers.Qwen3Config(
     head_dim=32,
     tie_word_embeddings=False,
 )
+# Biased q/k/v; a window of 8 on stage 0's layers only: the engine must keep every block
+# (stage 1 reads them all), not free those that leave stage 0's window.
+QWEN2 = transformers.Qwen2Config(
+    **{**_COMMON, "num_hidden_layers": 4},
+    vocab_size=512,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+    use_sliding_window=True,
+    sliding_window=8,
+    layer_types=["sliding_attention"] * 2 + ["full_attention"] * 2,
+)
 STORIES = SHARED_MODELS / "stories260k"  # 5 layers, tied: the default split is [3, 2]
 
 
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {"stories260k": STORIES}
-    for name, config in (("llama4", LLAMA4), ("qwen3", QWEN3)):
+    for name, config in (("llama4", LLAMA4), ("qwen3", QWEN3), ("qwen2", QWEN2)):
         paths[name] = save_tiny_model(config, tmp_path_factory.mktemp(name))
     for name in ("llama_gqa", "gpt2", "gemma2"):  # 2 layers
         paths[name] = save_tiny_model(name, tmp_path_factory.mktemp(name))
@@ -64,7 +75,8 @@ def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def expected(model_paths: dict[str, Path]) -> dict[str, list[tuple[list[int], float]]]:
     """The single process's greedy outputs, computed once per model."""
-    return {name: greedy_outputs(model_paths[name]) for name in ("llama4", "qwen3", "stories260k")}
+    names = ("llama4", "qwen3", "qwen2", "stories260k")
+    return {name: greedy_outputs(model_paths[name]) for name in names}
 
 
 def test_layer_partition() -> None:
@@ -109,7 +121,8 @@ def test_a_stage_builds_and_loads_only_its_layers(stage: int, model_paths: dict[
 
 
 @pytest.mark.parametrize(
-    ("name", "pp_size"), [("llama4", 2), ("qwen3", 2), ("stories260k", 2), ("llama4", 4)]
+    ("name", "pp_size"),
+    [("llama4", 2), ("qwen3", 2), ("qwen2", 2), ("stories260k", 2), ("llama4", 4)],
 )
 def test_pipeline_parallel_matches_single_process(
     name: str,
