@@ -52,8 +52,12 @@ def make_prompts(num: int, input_len: int, seed: int) -> list[str]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     base_url = args.base_url.rstrip("/")
+    model = args.model
+    if not model:
+        model = (await get_json(f"{base_url}/v1/models", args.api_key, args.timeout))["data"][0][
+            "id"
+        ]
     async with open_session(args.api_key, args.timeout, args.max_concurrency) as session:
-        model = args.model or (await get_json(session, f"{base_url}/v1/models"))["data"][0]["id"]
         requests = [
             SampleRequest(prompt, args.input_len, args.output_len)
             for prompt in make_prompts(args.num_prompts, args.input_len, args.seed)

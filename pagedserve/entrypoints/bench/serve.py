@@ -126,8 +126,8 @@ async def _run(args: argparse.Namespace, max_concurrency: int | None) -> dict[st
     from pagedserve.engine.llm_engine import load_tokenizer
 
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    card = (await get_json(f"{base_url}/v1/models", args.api_key, args.timeout))["data"][0]
     async with open_session(args.api_key, args.timeout, max_concurrency) as session:
-        card = (await get_json(session, f"{base_url}/v1/models"))["data"][0]
         model = args.model or card["id"]
         tokenizer_id = args.tokenizer or args.model or card.get("root") or model
         try:

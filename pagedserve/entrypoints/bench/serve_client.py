@@ -44,7 +44,9 @@ def open_session(
     Raises ImportError (saying what to install) without aiohttp."""
     check_aiohttp()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
+    # An idle connection is dropped after 4 s, before a server's own keep-alive timeout closes
+    # it (uvicorn's default: 5 s): reusing one the server closed fails that request.
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=4.0)
     return aiohttp.ClientSession(
         connector=connector,
         headers=headers,
@@ -54,9 +56,16 @@ def open_session(
     )
 
 
-async def get_json(session: "aiohttp.ClientSession", url: str) -> Any:
-    """GET `url` as JSON. Raises aiohttp.ClientResponseError on an HTTP error status."""
-    async with session.get(url) as response:
+async def get_json(url: str, api_key: str | None, timeout_s: float) -> Any:
+    """GET `url` as JSON on a session of its own, closed after it. Raises
+    aiohttp.ClientResponseError on an HTTP error status. Not the run's session: the tokenizer
+    loads next, blocking the event loop past the server's keep-alive timeout, so the server's
+    close of the idle connection went unseen and the first request, reusing it, failed
+    ("Can not write request body")."""
+    async with (
+        open_session(api_key, timeout_s, 1) as session,
+        session.get(url) as response,
+    ):
         response.raise_for_status()
         return await response.json(content_type=None)
 

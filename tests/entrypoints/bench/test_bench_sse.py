@@ -3,6 +3,7 @@ so a generated text with U+2028 or U+0085 (left raw by JSON) stays inside its da
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 from pagedserve.entrypoints.bench.datasets import SampleRequest
@@ -91,3 +92,40 @@ def test_failed_streams_carry_their_error() -> None:
     assert not output.success and output.error == "the stream ended with no text"
     output = stream_of(b"data: {not json\n\n")
     assert not output.success and output.error.startswith("JSONDecodeError")
+
+
+def test_first_request_after_a_blocked_loop_and_a_closed_keep_alive() -> None:
+    """bench serve GETs /v1/models, then loads the tokenizer (the event loop blocked) past the
+    server's keep-alive timeout; the server closed that idle connection unseen, and the first
+    request, reusing it, failed ("Can not write request body"). The GET now has its own session."""
+    from pagedserve.entrypoints.bench.serve_client import get_json
+
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 1}})
+    stream = f'data: {{"choices": [{{"text": "x"}}]}}\n\ndata: {usage}\n\ndata: [DONE]\n\n'
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:  # keep-alive requests until idle 0.1 s (uvicorn: 5 s), then close
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.1)
+            except (TimeoutError, asyncio.IncompleteReadError):
+                break
+            length = [int(v) for k, _, v in (line.partition(b":") for line in head.split(b"\r\n"))
+                      if k.lower() == b"content-length"]  # fmt: skip
+            await reader.readexactly(length[0] if length else 0)
+            body = b'{"data": [{"id": "m"}]}' if head.startswith(b"GET") else stream.encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+        writer.close()
+
+    async def run() -> RequestOutput:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server, open_session(None, 30.0, None) as session:
+            assert (await get_json(f"{url}/v1/models", None, 30.0))["data"][0]["id"] == "m"
+            time.sleep(0.5)  # the tokenizer's load: the loop sees no close meanwhile
+            request = SampleRequest(prompt="Hi", prompt_len=1, expected_output_len=1)
+            payload = request_payload("/v1/completions", {"model": "m"}, request)
+            return await send_request(session, f"{url}/v1/completions", payload)
+
+    output = asyncio.run(run())
+    assert output.error == "" and output.success and output.generated_text == "x"
