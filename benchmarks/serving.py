@@ -23,12 +23,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedserve.entrypoints.bench.datasets import SampleRequest  # noqa: E402
-from pagedserve.entrypoints.bench.serve import benchmark  # noqa: E402
+from pagedserve.entrypoints.bench.serve_client import (  # noqa: E402
+    benchmark,
+    get_json,
+    open_session,
+)
 from pagedserve.entrypoints.bench.serve_metrics import (  # noqa: E402
     calculate_metrics,
     print_summary,
@@ -49,12 +51,13 @@ def make_prompts(num: int, input_len: int, seed: int) -> list[str]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits
-    ) as client:
-        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+    base_url = args.base_url.rstrip("/")
+    model = args.model
+    if not model:
+        model = (await get_json(f"{base_url}/v1/models", args.api_key, args.timeout))["data"][0][
+            "id"
+        ]
+    async with open_session(args.api_key, args.timeout, args.max_concurrency) as session:
         requests = [
             SampleRequest(prompt, args.input_len, args.output_len)
             for prompt in make_prompts(args.num_prompts, args.input_len, args.seed)
@@ -68,7 +71,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.ignore_eos:
             body["ignore_eos"] = True  # vLLM's extension: fixed output lengths
         outputs, duration = await benchmark(
-            client, args.endpoint, body, requests,
+            session, base_url + args.endpoint, body, requests,
             args.request_rate, 1.0, args.max_concurrency, args.seed,
         )  # fmt: skip
     summary = {

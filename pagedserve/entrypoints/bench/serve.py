@@ -2,19 +2,11 @@
 
 import argparse
 import asyncio
-import json
-import logging
 import os
-import time
-from collections.abc import AsyncIterator
 from typing import Any
-
-import httpx
-import numpy as np
 
 from pagedserve.entrypoints.bench.datasets import (
     DatasetError,
-    SampleRequest,
     add_dataset_args,
     read_sharegpt,
     sample_requests,
@@ -26,10 +18,17 @@ from pagedserve.entrypoints.bench.results import (
     save_result,
     timestamp,
 )
+from pagedserve.entrypoints.bench.serve_client import (
+    CONNECTION_ERRORS,
+    benchmark,
+    check_aiohttp,
+    get_json,
+    open_session,
+)
 from pagedserve.entrypoints.bench.serve_metrics import (
     METRICS,
-    RequestOutput,
     calculate_metrics,
+    print_errors,
     print_summary,
 )
 
@@ -109,118 +108,6 @@ def concurrencies(text: str) -> list[int | None]:
     return values
 
 
-async def arrivals(
-    requests: list[SampleRequest], request_rate: float, burstiness: float, seed: int
-) -> AsyncIterator[SampleRequest]:
-    """vLLM's arrivals: gaps drawn from a gamma distribution of shape `burstiness` and mean
-    1 / `request_rate` s (Poisson at burstiness 1); all at once at rate inf."""
-    rng = np.random.default_rng(seed)
-    for request in requests:
-        yield request
-        if request_rate != float("inf"):
-            await asyncio.sleep(rng.gamma(burstiness, 1.0 / (request_rate * burstiness)))
-
-
-async def send_request(
-    client: httpx.AsyncClient, endpoint: str, body: dict[str, Any], request: SampleRequest
-) -> RequestOutput:
-    """Stream one request; time its first chunk with text, the gaps after, and its end."""
-    body = dict(body, max_tokens=request.expected_output_len)
-    if endpoint.endswith("chat/completions"):
-        body["messages"] = [{"role": "user", "content": request.prompt}]
-    else:
-        body["prompt"] = request.prompt
-    output = RequestOutput(start=time.perf_counter())
-    last, chunks, texts = output.start, 0, []
-    try:
-        async with client.stream("POST", endpoint, json=body) as response:
-            if response.status_code != 200:
-                output.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return output
-            async for line in sse_lines(response.aiter_text()):
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    output.error = str(data["error"])
-                    return output
-                if data.get("usage"):
-                    output.output_tokens = data["usage"]["completion_tokens"]
-                text = "".join(_text(choice) for choice in data.get("choices", []))
-                if not text:
-                    continue
-                now = time.perf_counter()
-                if chunks == 0:
-                    output.ttft = now - output.start
-                else:
-                    output.itl.append(now - last)
-                last, chunks = now, chunks + 1
-                texts.append(text)
-        output.latency = time.perf_counter() - output.start
-        output.output_tokens = output.output_tokens or chunks
-        output.generated_text = "".join(texts)
-        output.success = chunks > 0
-        output.error = "" if chunks else "no text streamed"
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        output.error = repr(e)
-    return output
-
-
-async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The lines of a server-sent event stream: split at CRLF, LF or CR only (the SSE spec's
-    line ends). httpx's `aiter_lines` also splits at U+2028, U+0085 and the other Unicode
-    line breaks of str.splitlines, which JSON leaves unescaped inside strings, so a generated
-    text holding one broke the data line in two (a JSONDecodeError in a GPU run)."""
-    buffer = ""
-    async for chunk in chunks:
-        buffer += chunk
-        # A CR at the end may be the first half of a CRLF: wait for the next chunk.
-        while True:
-            ends = [i for i in (buffer.find("\n"), buffer.find("\r")) if i >= 0]
-            if not ends:
-                break
-            end = min(ends)
-            if buffer[end] == "\r" and end == len(buffer) - 1:
-                break
-            width = 2 if buffer.startswith("\r\n", end) else 1
-            yield buffer[:end]
-            buffer = buffer[end + width :]
-    if buffer.endswith("\r"):
-        buffer = buffer[:-1]
-    if buffer:
-        yield buffer
-
-
-def _text(choice: dict[str, Any]) -> str:
-    return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-
-
-async def benchmark(
-    client: httpx.AsyncClient,
-    endpoint: str,
-    body: dict[str, Any],
-    requests: list[SampleRequest],
-    request_rate: float = float("inf"),
-    burstiness: float = 1.0,
-    max_concurrency: int | None = None,
-    seed: int = 0,
-) -> tuple[list[RequestOutput], float]:
-    """Send `requests` (each `body` plus its prompt and max_tokens) at the arrival rate,
-    at most `max_concurrency` at once: (outputs in request order, seconds of the run)."""
-    semaphore = asyncio.Semaphore(max_concurrency or max(len(requests), 1))
-
-    async def limited(request: SampleRequest) -> RequestOutput:
-        async with semaphore:
-            return await send_request(client, endpoint, body, request)
-
-    start = time.perf_counter()
-    tasks = []
-    async for request in arrivals(requests, request_rate, burstiness, seed):
-        tasks.append(asyncio.create_task(limited(request)))
-    outputs = await asyncio.gather(*tasks)
-    return list(outputs), time.perf_counter() - start
-
-
 def request_body(model: str, args: argparse.Namespace) -> dict[str, Any]:
     """The fields every request carries: streaming with usage, and the sampling flags."""
     body: dict[str, Any] = {
@@ -238,13 +125,9 @@ def request_body(model: str, args: argparse.Namespace) -> dict[str, Any]:
 async def _run(args: argparse.Namespace, max_concurrency: int | None) -> dict[str, Any]:
     from pagedserve.engine.llm_engine import load_tokenizer
 
-    base_url = args.base_url or f"http://{args.host}:{args.port}"
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, timeout=args.timeout, limits=limits
-    ) as client:
-        card = (await client.get("/v1/models")).json()["data"][0]
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    card = (await get_json(f"{base_url}/v1/models", args.api_key, args.timeout))["data"][0]
+    async with open_session(args.api_key, args.timeout, max_concurrency) as session:
         model = args.model or card["id"]
         tokenizer_id = args.tokenizer or args.model or card.get("root") or model
         try:
@@ -258,8 +141,8 @@ async def _run(args: argparse.Namespace, max_concurrency: int | None) -> dict[st
         chat = args.endpoint.endswith("chat/completions")
         requests = sample_requests(args, tokenizer.vocab_size, tokenizer, text_prompts=chat)
         outputs, duration = await benchmark(
-            client,
-            args.endpoint,
+            session,
+            base_url + args.endpoint,
             request_body(model, args),
             requests,
             args.request_rate,
@@ -284,12 +167,16 @@ async def _run(args: argparse.Namespace, max_concurrency: int | None) -> dict[st
         **calculate_metrics(requests, outputs, duration, selected, percentiles),
     }
     print_summary(result, selected, percentiles)
+    print_errors(result["errors"])
     return result
 
 
 def main(args: argparse.Namespace) -> int:
     """Run `bench serve` on parsed flags; a bad dataset or flag ends it with one line."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    try:
+        check_aiohttp()
+    except ImportError as e:
+        raise SystemExit(f"pagedserve bench serve: error: {e}") from None
     known = {key for key, _, _ in METRICS}
     unknown = set(args.percentile_metrics.split(",")) - known
     if unknown:
@@ -320,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
             results.append(result)
     except DatasetError as e:
         raise SystemExit(f"pagedserve bench serve: error: {e}") from None
-    except httpx.HTTPError as e:
+    except CONNECTION_ERRORS as e:
         raise SystemExit(f"pagedserve bench serve: error: cannot reach the server: {e!r}") from None
     if args.plot:
         selected = [k for k in args.percentile_metrics.split(",") if k != "itl"] or ["itl"]

@@ -1,5 +1,6 @@
 """`bench serve`'s metrics and summary table, as vLLM computes and prints them."""
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,3 +143,17 @@ def print_summary(result: dict[str, Any], selected: list[str], percentiles: list
             word = _percentile_key(p)
             print("{:<40} {:<10.2f}".format(f"P{word} {name} (ms):", result[f"p{word}_{key}_ms"]))
     print("=" * 50)
+
+
+def print_errors(errors: list[str], shown: int = 3) -> None:
+    """The failed requests' errors after the summary: the `shown` most frequent distinct ones
+    with their counts (vLLM prints its failures' errors too; a failure was otherwise only a
+    count, its reason only in --save-result's "errors")."""
+    counts = Counter(e for e in errors if e)
+    if not counts:
+        return
+    print(f"{sum(counts.values())} failed request(s); errors (count: first line):")
+    for error, count in counts.most_common(shown):
+        print(f"  {count}: {error.strip().splitlines()[0][:300]}")
+    if len(counts) > shown:
+        print(f"  ... and {len(counts) - shown} other distinct error(s)")
