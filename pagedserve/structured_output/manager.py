@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedserve import envs
 from pagedserve.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.request import Request
 from pagedserve.structured_output.backend_xgrammar import (
@@ -203,7 +204,9 @@ class StructuredOutputManager:
 
     def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
         """The step's bitmask: row i (int32 words, bit t of word t // 32 = token t allowed)
-        for requests[i], each of which `should_fill_bitmask`. [len(requests), ceil(V / 32)]."""
+        for requests[i], each of which `should_fill_bitmask`. [len(requests), ceil(V / 32)].
+        One xgrammar call fills every row (BatchGrammarMatcher, `fill_threads()` C++
+        threads); the row of a terminated grammar allows every token."""
         num_rows = len(requests)
         if self._allocate is not None:
             self._turn ^= 1
@@ -219,12 +222,23 @@ class StructuredOutputManager:
                     (max(num_rows, 2 * len(self._bitmask)), _width(self)), np.int32
                 )
             bitmask = self._bitmask[:num_rows]
-        matchers = []
+        grammars = []
         for request in requests:
             state = request.structured_output
             assert state is not None and state.grammar is not None
-            matchers.append(state.grammar.matcher)
-        self._batch().batch_fill_next_token_bitmask(matchers, bitmask)
+            grammars.append(state.grammar)
+        live = [row for row, grammar in enumerate(grammars) if not grammar.terminated]
+        if len(live) == num_rows:  # the usual step: one xgrammar call, rows 0..n-1
+            self._batch().batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+        else:
+            # A terminated grammar has no next-token mask (xgrammar raises): its row allows
+            # every token, as vLLM leaves it. Its request finishes with the step that
+            # terminated it, so only a step launched before that can reach here.
+            bitmask[[row for row, g in enumerate(grammars) if g.terminated]] = -1
+            if live:
+                self._batch().batch_fill_next_token_bitmask(
+                    [grammars[row].matcher for row in live], bitmask, live
+                )
         if self._allocate is not None:
             return bitmask  # see use_bitmask_buffers
         return bitmask.copy()  # the buffer is reused next step; the step keeps its own
@@ -250,10 +264,14 @@ class StructuredOutputManager:
         grammars = [r.structured_output.grammar for r in batch]
         tokens = [r.output_token_ids[-1] for r in batch]
         accepted = self._batch().batch_accept_token([g.matcher for g in grammars], tokens)
+        assert self._backend is not None  # it made the grammars
+        stop_ids = self._backend.stop_token_ids
         for request, grammar, token_id, ok in zip(batch, grammars, tokens, accepted, strict=True):
             if ok:
                 grammar.num_processed_tokens += 1
-                if grammar.is_terminated():
+                # Only a stop token terminates a matcher: skip 256 C++ calls a step.
+                if token_id in stop_ids and grammar.is_terminated():
+                    grammar.terminated = True
                     terminated.add(request.request_id)
             else:
                 self._escaped(request, token_id)
@@ -287,11 +305,12 @@ class StructuredOutputManager:
         request.structured_output.num_output_tokens_before += 1
 
     def _batch(self) -> Any:
-        """xgrammar's BatchGrammarMatcher (its own threads; made on first use)."""
+        """xgrammar's BatchGrammarMatcher (its own `fill_threads()` threads; made on first
+        use)."""
         if self._batch_matcher is None:
             import xgrammar as xgr
 
-            self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=fill_threads())
         return self._batch_matcher
 
     def sync_after_preemption(self, request: Request) -> None:
@@ -312,6 +331,21 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def fill_threads() -> int:
+    """The threads of xgrammar's batched bitmask fill: half the cores this process may run
+    on (`os.sched_getaffinity`), less `PAGEDSERVE_CPU_NUM_OF_RESERVED_CPU`, at least 1.
+
+    xgrammar's own "auto" is half of `std::thread::hardware_concurrency()`: every core of the
+    host, also where a container, taskset or cgroup leaves this process only a few (64
+    threads on a 128-core host for a 2-core slot). Half, as xgrammar (and vLLM's fill pool,
+    cpu_count // 2) choose: the engine thread, the CUDA runtime's and the API server's
+    threads keep the rest. On a CPU-only engine the fill runs in the engine thread between
+    forwards (no async scheduling there by default), so its threads and torch's intra-op
+    pool (`worker.cpu_threads`, the same cores less the reserved ones) do not run at once."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, ((cores or 2) - envs.cpu_reserved()) // 2)
 
 
 def _width(manager: StructuredOutputManager) -> int:
