@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="timed steps")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps first")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int,
+                        help="host threads of the fill and the accept (default: the engine's "
+                        "choice, structured_output.batch_matcher.fill_threads())")  # fmt: skip
     parser.add_argument(
         "--prefix",
         default='{"name": "',
@@ -68,6 +71,10 @@ def main() -> None:
     params = SamplingParams(
         max_tokens=1 << 20, structured_outputs=StructuredOutputsParams(json=SCHEMA)
     )
+    if args.threads is not None:
+        from pagedserve.structured_output.batch_matcher import BatchMatcher
+
+        manager._batch_matcher = BatchMatcher(args.threads)
     counter = [0]
     prefix = tokenizer.encode(args.prefix, add_special_tokens=False)
 
@@ -122,12 +129,15 @@ def main() -> None:
                 manager.free_request(request)
                 constrained[i] = new_request()
                 num_ended += 1
+    batch = getattr(manager, "_batch_matcher", None)  # BatchMatcher; xgrammar's before it
+    grammar_threads = getattr(batch, "threads", "xgrammar auto")
     manager.shutdown()
 
     print(
         f"{args.num_requests} constrained + {args.unconstrained} unconstrained rows, "
         f"{args.steps} steps (+{args.warmup} warm-up), vocab {VOCAB_SIZE}, "
-        f"torch threads {torch.get_num_threads()}; {git_commit()}"
+        f"torch threads {torch.get_num_threads()}, grammar threads {grammar_threads}; "
+        f"{git_commit()}"
     )
     print(f"{'phase':>7} {'median ms':>10} {'mean ms':>9}")
     result: dict[str, Any] = {"num_requests": args.num_requests, "steps": args.steps}

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve import envs
 from pagedserve.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.request import Request
 from pagedserve.structured_output.backend_xgrammar import (
@@ -39,6 +38,7 @@ from pagedserve.structured_output.backend_xgrammar import (
     XgrammarGrammar,
     constraint_key,
 )
+from pagedserve.structured_output.batch_matcher import BatchMatcher
 from pagedserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class StructuredOutputManager:
         self._num_hits = 0
         self._num_misses = 0
         self._compile_seconds = 0.0
-        self._batch_matcher: Any = None
+        self._batch_matcher: BatchMatcher | None = None
         self._bitmask = np.zeros((0, (vocab_size + 31) // 32), np.int32)
         # use_bitmask_buffers: two buffers used in turn, whose rows are handed out as they are
         self._allocate: Callable[[tuple[int, int]], np.ndarray] | None = None
@@ -205,8 +205,8 @@ class StructuredOutputManager:
     def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
         """The step's bitmask: row i (int32 words, bit t of word t // 32 = token t allowed)
         for requests[i], each of which `should_fill_bitmask`. [len(requests), ceil(V / 32)].
-        One xgrammar call fills every row (BatchGrammarMatcher, `fill_threads()` C++
-        threads); the row of a terminated grammar allows every token."""
+        One xgrammar call fills every row (`BatchMatcher.fill`, on its C++ threads); the
+        row of a terminated grammar allows every token."""
         num_rows = len(requests)
         if self._allocate is not None:
             self._turn ^= 1
@@ -229,16 +229,14 @@ class StructuredOutputManager:
             grammars.append(state.grammar)
         live = [row for row, grammar in enumerate(grammars) if not grammar.terminated]
         if len(live) == num_rows:  # the usual step: one xgrammar call, rows 0..n-1
-            self._batch().batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+            self._batch().fill([g.matcher for g in grammars], bitmask)
         else:
             # A terminated grammar has no next-token mask (xgrammar raises): its row allows
             # every token, as vLLM leaves it. Its request finishes with the step that
             # terminated it, so only a step launched before that can reach here.
             bitmask[[row for row, g in enumerate(grammars) if g.terminated]] = -1
             if live:
-                self._batch().batch_fill_next_token_bitmask(
-                    [grammars[row].matcher for row in live], bitmask, live
-                )
+                self._batch().fill([grammars[row].matcher for row in live], bitmask, live)
         if self._allocate is not None:
             return bitmask  # see use_bitmask_buffers
         return bitmask.copy()  # the buffer is reused next step; the step keeps its own
@@ -246,9 +244,10 @@ class StructuredOutputManager:
     def accept_tokens(self, sampled: Sequence[tuple[Request, int, Any]]) -> set[str]:
         """`accept_token` for a step's sampled tokens (request, token id, anything), each
         already appended to its request; the ids of the requests whose grammars terminated.
-        The grammars past their reasoning advance in one xgrammar batch call (C++, threads),
-        not one Python call per request: this runs between a step's result and the next
-        step's bitmask, on the critical path of every constrained step."""
+        The grammars past their reasoning advance in xgrammar batch calls, in chunks on host
+        threads (`BatchMatcher.accept`), not one Python call per request: this runs between
+        a step's result and the next step's bitmask, on the critical path of every
+        constrained step."""
         batch: list[Request] = []
         terminated: set[str] = set()
         for request, token_id, _ in sampled:
@@ -263,7 +262,7 @@ class StructuredOutputManager:
             return terminated
         grammars = [r.structured_output.grammar for r in batch]
         tokens = [r.output_token_ids[-1] for r in batch]
-        accepted = self._batch().batch_accept_token([g.matcher for g in grammars], tokens)
+        accepted = self._batch().accept([g.matcher for g in grammars], tokens)
         assert self._backend is not None  # it made the grammars
         stop_ids = self._backend.stop_token_ids
         for request, grammar, token_id, ok in zip(batch, grammars, tokens, accepted, strict=True):
@@ -304,13 +303,10 @@ class StructuredOutputManager:
         assert request.structured_output is not None
         request.structured_output.num_output_tokens_before += 1
 
-    def _batch(self) -> Any:
-        """xgrammar's BatchGrammarMatcher (its own `fill_threads()` threads; made on first
-        use)."""
+    def _batch(self) -> BatchMatcher:
+        """The batched fill and accept (`fill_threads()` host threads; made on first use)."""
         if self._batch_matcher is None:
-            import xgrammar as xgr
-
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=fill_threads())
+            self._batch_matcher = BatchMatcher()
         return self._batch_matcher
 
     def sync_after_preemption(self, request: Request) -> None:
@@ -331,21 +327,8 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def fill_threads() -> int:
-    """The threads of xgrammar's batched bitmask fill: half the cores this process may run
-    on (`os.sched_getaffinity`), less `PAGEDSERVE_CPU_NUM_OF_RESERVED_CPU`, at least 1.
-
-    xgrammar's own "auto" is half of `std::thread::hardware_concurrency()`: every core of the
-    host, also where a container, taskset or cgroup leaves this process only a few (64
-    threads on a 128-core host for a 2-core slot). Half, as xgrammar (and vLLM's fill pool,
-    cpu_count // 2) choose: the engine thread, the CUDA runtime's and the API server's
-    threads keep the rest. On a CPU-only engine the fill runs in the engine thread between
-    forwards (no async scheduling there by default), so its threads and torch's intra-op
-    pool (`worker.cpu_threads`, the same cores less the reserved ones) do not run at once."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, ((cores or 2) - envs.cpu_reserved()) // 2)
+        if self._batch_matcher is not None:
+            self._batch_matcher.shutdown()
 
 
 def _width(manager: StructuredOutputManager) -> int:

@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-import pagedserve.structured_output.manager as manager_module
+import pagedserve.structured_output.batch_matcher as batch_module
 import pagedserve.worker.grammar_bitmask as grammar_bitmask
 from pagedserve import SamplingParams
 from pagedserve.request import Request
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.step import GrammarOutput
-from pagedserve.structured_output.manager import StructuredOutputManager, fill_threads
+from pagedserve.structured_output.batch_matcher import fill_threads
+from pagedserve.structured_output.manager import StructuredOutputManager
 from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask, unpack_bitmask
 
 from .conftest import QWEN3_VOCAB_SIZE, TOKENIZER_DIR
@@ -72,7 +73,7 @@ def _advanced(manager: StructuredOutputManager, tokenizer: Any, index: int) -> R
 def test_batched_fill_equals_one_matcher_fills(
     tokenizer: Any, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(manager_module, "fill_threads", lambda: threads)
+    monkeypatch.setattr(batch_module, "fill_threads", lambda: threads)
     manager = _manager(tokenizer)
     requests = [_advanced(manager, tokenizer, i) for i in range(3 * len(CASES))]
     grammars = [r.structured_output.grammar for r in requests]  # type: ignore[union-attr]
@@ -122,13 +123,41 @@ def test_batched_accept_rejects_an_invalid_token_as_before(tokenizer: Any) -> No
     manager.shutdown()
 
 
+def test_accept_in_chunks_on_threads_equals_one_call(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", '"', "1", "}", "x")]
+    outcomes = []
+    for threads in (1, 3):  # 3: the accept runs as 3 chunks (56 live matchers)
+        monkeypatch.setattr(batch_module, "fill_threads", lambda n=threads: n)
+        manager = _manager(tokenizer)
+        requests = [_advanced(manager, tokenizer, i) for i in range(8 * len(CASES))]
+        live = [r for r in requests if not r.structured_output.grammar.terminated]  # type: ignore[union-attr]
+        applied = []
+        for i, request in enumerate(live):
+            token = tokens[i % len(tokens)]
+            request.append_output_token_ids([token])
+            applied.append((request, token, None))
+        ended = manager.accept_tokens(applied)
+        grammars = [r.structured_output.grammar for r in live]  # type: ignore[union-attr]
+        fed = [g.num_processed_tokens for g in grammars]  # type: ignore[union-attr]
+        escaped = [r.structured_output.num_output_tokens_before for r in live]  # type: ignore[union-attr]
+        assert manager._batch().threads == threads
+        outcomes.append((ended, fed, escaped, manager.grammar_bitmask(live)))
+        manager.shutdown()
+    (ended, fed, escaped, bitmask), threaded = outcomes
+    assert 0 < sum(escaped) < len(escaped)  # some tokens rejected, some accepted
+    assert ended == threaded[0] and fed == threaded[1] and escaped == threaded[2]
+    np.testing.assert_array_equal(bitmask, threaded[3])
+
+
 def test_fill_threads_follow_affinity_and_reserved_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manager_module.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(batch_module.os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.delenv("PAGEDSERVE_CPU_NUM_OF_RESERVED_CPU", raising=False)
     assert fill_threads() == 4
     monkeypatch.setenv("PAGEDSERVE_CPU_NUM_OF_RESERVED_CPU", "2")
     assert fill_threads() == 3
-    monkeypatch.setattr(manager_module.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(batch_module.os, "sched_getaffinity", lambda pid: {0})
     assert fill_threads() == 1
 
 
