@@ -86,9 +86,11 @@ class PhaseClock:
     by wrapping the engine's methods with step_profile.py's StepClock (no device syncs added:
     the wait for the device shows in `wait_result`). Nested phases overlap: `finish_in_flight`
     holds `wait_result` and `update_from_output`, which holds `accept_tokens`;
-    `deferred_fill` holds `fill`."""
+    `deferred_fill` holds `fill`; `sample_tokens` holds `apply_bitmask` (the host's part of
+    the mask's apply, with the executor in this process)."""
 
     def __init__(self, llm: Any) -> None:
+        import pagedserve.worker.model_runner as model_runner
         from benchmarks.step_profile import StepClock
         from pagedserve.step import AsyncModelRunnerOutput
 
@@ -107,6 +109,7 @@ class PhaseClock:
             ("deferred_fill", core.scheduler, "deferred_grammar_output"),
             ("fill", manager, "grammar_bitmask"),
             ("sample_tokens", core.executor, "sample_tokens"),
+            ("apply_bitmask", model_runner, "apply_grammar_bitmask"),
             ("process_outputs", llm.llm_engine.output_processor, "process_outputs"),
         ]
         for name, owner, attr in targets:

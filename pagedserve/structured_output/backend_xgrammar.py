@@ -138,7 +138,8 @@ class XgrammarBackend:
     (`hf_config.vocab_size`), which may exceed len(tokenizer): the rows of the bitmask are
     ceil(vocab_size / 32) int32 words, and ids past the tokenizer are never allowed.
     stop_token_ids: the ids that end a sequence (the model's EOS ids); a grammar accepts one
-    of them once it is complete, and then terminates.
+    of them once it is complete, and then terminates. Attribute `stop_token_ids`: the set
+    xgrammar's matchers use (these and the tokenizer's EOS).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
@@ -152,6 +153,9 @@ class XgrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop or None
         )
+        # A matcher terminates only when it accepts one of these (we never set xgrammar's
+        # terminate_without_stop_token): other tokens need no is_terminated() call.
+        self.stop_token_ids = frozenset(info.stop_token_ids)
         # Our own cache (StructuredOutputManager) dedupes and counts; xgrammar's would only
         # hold the same grammars twice.
         self.compiler = xgr.GrammarCompiler(info, max_threads=8, cache_enabled=False)
@@ -173,25 +177,34 @@ class XgrammarGrammar:
 
         self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar 0.2
         self.num_processed_tokens = 0
+        # is_terminated() as of the last accept or rollback, kept here so that a step's fill
+        # reads a Python attribute per row, not a C++ call (the manager's batched accept
+        # sets it too).
+        self.terminated = False
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """Advance by `token_ids`; False (and no advance past it) at a token the grammar does
         not allow. A terminated grammar accepts nothing more."""
+        accepted = True
         for token_id in token_ids:
             if not self.matcher.accept_token(token_id):
-                return False
+                accepted = False
+                break
             self.num_processed_tokens += 1
-        return True
+        self.terminated = bool(self.matcher.is_terminated())
+        return accepted
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
         if num_tokens > 0:
             self.matcher.rollback(num_tokens)
             self.num_processed_tokens -= num_tokens
+            self.terminated = bool(self.matcher.is_terminated())
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (a CPU torch int32 tensor,
-        bit t of word t // 32 set = token t allowed)."""
+        """Write the allowed next tokens into `bitmask[row]` (a CPU int32 torch tensor or
+        numpy array, bit t of word t // 32 set = token t allowed). Raises RuntimeError (from
+        xgrammar) once the grammar has terminated."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:

@@ -38,6 +38,7 @@ from pagedserve.structured_output.backend_xgrammar import (
     XgrammarGrammar,
     constraint_key,
 )
+from pagedserve.structured_output.batch_matcher import BatchMatcher
 from pagedserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class StructuredOutputManager:
         self._num_hits = 0
         self._num_misses = 0
         self._compile_seconds = 0.0
-        self._batch_matcher: Any = None
+        self._batch_matcher: BatchMatcher | None = None
         self._bitmask = np.zeros((0, (vocab_size + 31) // 32), np.int32)
         # use_bitmask_buffers: two buffers used in turn, whose rows are handed out as they are
         self._allocate: Callable[[tuple[int, int]], np.ndarray] | None = None
@@ -203,7 +204,9 @@ class StructuredOutputManager:
 
     def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
         """The step's bitmask: row i (int32 words, bit t of word t // 32 = token t allowed)
-        for requests[i], each of which `should_fill_bitmask`. [len(requests), ceil(V / 32)]."""
+        for requests[i], each of which `should_fill_bitmask`. [len(requests), ceil(V / 32)].
+        One xgrammar call fills every row (`BatchMatcher.fill`, on its C++ threads); the
+        row of a terminated grammar allows every token."""
         num_rows = len(requests)
         if self._allocate is not None:
             self._turn ^= 1
@@ -219,12 +222,21 @@ class StructuredOutputManager:
                     (max(num_rows, 2 * len(self._bitmask)), _width(self)), np.int32
                 )
             bitmask = self._bitmask[:num_rows]
-        matchers = []
+        grammars = []
         for request in requests:
             state = request.structured_output
             assert state is not None and state.grammar is not None
-            matchers.append(state.grammar.matcher)
-        self._batch().batch_fill_next_token_bitmask(matchers, bitmask)
+            grammars.append(state.grammar)
+        live = [row for row, grammar in enumerate(grammars) if not grammar.terminated]
+        if len(live) == num_rows:  # the usual step: one xgrammar call, rows 0..n-1
+            self._batch().fill([g.matcher for g in grammars], bitmask)
+        else:
+            # A terminated grammar has no next-token mask (xgrammar raises): its row allows
+            # every token, as vLLM leaves it. Its request finishes with the step that
+            # terminated it, so only a step launched before that can reach here.
+            bitmask[[row for row, g in enumerate(grammars) if g.terminated]] = -1
+            if live:
+                self._batch().fill([grammars[row].matcher for row in live], bitmask, live)
         if self._allocate is not None:
             return bitmask  # see use_bitmask_buffers
         return bitmask.copy()  # the buffer is reused next step; the step keeps its own
@@ -232,9 +244,10 @@ class StructuredOutputManager:
     def accept_tokens(self, sampled: Sequence[tuple[Request, int, Any]]) -> set[str]:
         """`accept_token` for a step's sampled tokens (request, token id, anything), each
         already appended to its request; the ids of the requests whose grammars terminated.
-        The grammars past their reasoning advance in one xgrammar batch call (C++, threads),
-        not one Python call per request: this runs between a step's result and the next
-        step's bitmask, on the critical path of every constrained step."""
+        The grammars past their reasoning advance in xgrammar batch calls, in chunks on host
+        threads (`BatchMatcher.accept`), not one Python call per request: this runs between
+        a step's result and the next step's bitmask, on the critical path of every
+        constrained step."""
         batch: list[Request] = []
         terminated: set[str] = set()
         for request, token_id, _ in sampled:
@@ -249,11 +262,15 @@ class StructuredOutputManager:
             return terminated
         grammars = [r.structured_output.grammar for r in batch]
         tokens = [r.output_token_ids[-1] for r in batch]
-        accepted = self._batch().batch_accept_token([g.matcher for g in grammars], tokens)
+        accepted = self._batch().accept([g.matcher for g in grammars], tokens)
+        assert self._backend is not None  # it made the grammars
+        stop_ids = self._backend.stop_token_ids
         for request, grammar, token_id, ok in zip(batch, grammars, tokens, accepted, strict=True):
             if ok:
                 grammar.num_processed_tokens += 1
-                if grammar.is_terminated():
+                # Only a stop token terminates a matcher: skip 256 C++ calls a step.
+                if token_id in stop_ids and grammar.is_terminated():
+                    grammar.terminated = True
                     terminated.add(request.request_id)
             else:
                 self._escaped(request, token_id)
@@ -286,12 +303,10 @@ class StructuredOutputManager:
         assert request.structured_output is not None
         request.structured_output.num_output_tokens_before += 1
 
-    def _batch(self) -> Any:
-        """xgrammar's BatchGrammarMatcher (its own threads; made on first use)."""
+    def _batch(self) -> BatchMatcher:
+        """The batched fill and accept (`fill_threads()` host threads; made on first use)."""
         if self._batch_matcher is None:
-            import xgrammar as xgr
-
-            self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher = BatchMatcher()
         return self._batch_matcher
 
     def sync_after_preemption(self, request: Request) -> None:
@@ -312,6 +327,8 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._batch_matcher is not None:
+            self._batch_matcher.shutdown()
 
 
 def _width(manager: StructuredOutputManager) -> int:

@@ -57,17 +57,19 @@ def test_constrained_outputs_on_cuda_equal_the_cpu_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # xgrammar's kernel; the torch path
-def test_bitmask_on_cuda_equals_the_cpu_path(dtype: str) -> None:
+@pytest.mark.parametrize("constrained", [["e", "a", "c"], ["a", "b", "c", "d", "e"]])
+def test_bitmask_on_cuda_equals_the_cpu_path(dtype: str, constrained: list[str]) -> None:
     """Constrained rows out of batch order (xgrammar's kernel reads bitmask row i for logits
-    row i: the compact rows must land in a full-batch mask) and a padded vocabulary."""
+    row i: the compact rows must land in a full-batch mask), every row constrained in order
+    (the bitmask goes to the kernel as it is), and a padded vocabulary."""
     import torch
 
     from pagedserve.step import GrammarOutput
     from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask
 
     torch.manual_seed(0)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 10), dtype=torch.int32)
-    grammar = GrammarOutput(["e", "a", "c"], bitmask.numpy())
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(constrained), 10), dtype=torch.int32)
+    grammar = GrammarOutput(constrained, bitmask.numpy())
     logits = torch.randn(5, 330, dtype=getattr(torch, dtype))  # wider than the mask's 320 bits
     expected = logits.clone()
     apply_grammar_bitmask(expected, grammar, ["a", "b", "c", "d", "e"])
