@@ -5,7 +5,7 @@ help text and its validation (the class's `__post_init__`) live on that field an
 `EngineArgs` (engine/arg_utils.py), the CLI flags and the README's option table are generated
 from these fields. Import rule: a leaf; imports nothing from pagedserve (torch only lazily, to
 check a CUDA device), and the torch-free leaves `pagedserve.quant_config` and
-`pagedserve.distributed.pp_layers` (and `pagedserve.envs`).
+`pagedserve.pp_layers` (and `pagedserve.envs`).
 """
 
 import argparse
@@ -18,7 +18,7 @@ from importlib.resources import files
 from typing import Any
 
 from pagedserve import envs
-from pagedserve.distributed.pp_layers import pp_partition
+from pagedserve.pp_layers import pp_partition
 from pagedserve.quant_config import QUANTIZATION_METHODS
 
 DEFAULT_MODEL = str(files("pagedserve.assets") / "stories260k")

@@ -66,7 +66,7 @@ def pp_layer_partition() -> str | None:
     """PAGEDSERVE_PP_LAYER_PARTITION (vLLM's VLLM_PP_LAYER_PARTITION): the decoder layers of
     each pipeline stage, comma-separated ("3,5": 3 on stage 0, 5 on stage 1), overriding the
     even split; None when unset. Checked against the model by
-    `distributed.pp_layers.pp_partition`."""
+    `pp_layers.pp_partition`."""
     return os.environ.get(PP_LAYER_PARTITION) or None
 
 

@@ -86,7 +86,7 @@ LEAVES = {
     "pagedserve.outputs",
     "pagedserve.roofline",
     "pagedserve.multimodal",
-    "pagedserve.distributed.pp_layers",  # the pipeline stages' layer split, for config's checks
+    "pagedserve.pp_layers",  # the pipeline stages' layer split, for config's checks
 }
 # Never import torch (anywhere in their body, except config's device check): their tests run
 # in milliseconds and the API server's process stays free of model code.

@@ -21,7 +21,7 @@ from pagedserve.distributed.parallel_state import (
     get_pp_rank,
     get_pp_size,
 )
-from pagedserve.distributed.pp_layers import get_pp_indices
+from pagedserve.pp_layers import get_pp_indices
 
 
 @dataclass(slots=True)

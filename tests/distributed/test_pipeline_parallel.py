@@ -17,10 +17,10 @@ import transformers
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import ParallelConfig, check_gpus_for_ranks
 from pagedserve.distributed.parallel_state import set_pipeline_parallel_state
-from pagedserve.distributed.pp_layers import get_pp_indices, pp_partition
 from pagedserve.errors import EngineDeadError
 from pagedserve.models.loader import load_model
 from pagedserve.models.pp_utils import PPMissingLayer
+from pagedserve.pp_layers import get_pp_indices, pp_partition
 
 from ._helpers import (
     _COMMON,

@@ -169,6 +169,7 @@ def test_api_server_loads_no_model_code() -> None:
     code = (
         "import sys\n"
         "import pagedserve.entrypoints.openai.api_server\n"
+        "import pagedserve.engine.async_engine\n"  # what `serve` imports to start the engine
         "print(' '.join(sorted(sys.modules)))\n"
         "from pagedserve.engine.arg_utils import EngineArgs\n"
         "from pagedserve.engine.llm_engine import build_processors\n"
