@@ -71,6 +71,7 @@ class KVCacheManager:
         self.copies = BlockCopies()
         self.swap_space = CpuBlockPool(0, num_swap_blocks)
         self.swapped: dict[str, list[int | None]] = {}  # request id -> CPU ids (None: null)
+        self._swapped_at_reset: set[str] = set()  # their blocks stay out of the index
         self.cpu_tier: CpuPrefixTier | None = None
         if num_offload_blocks > 0:
             if not enable_caching:
@@ -95,8 +96,11 @@ class KVCacheManager:
         """Forget every cached block (vLLM's `reset_prefix_cache`, which refuses while any
         block is in use): blocks that running requests hold stay theirs, but no later request
         hits them, neither while they run nor after they are freed. Blocks those requests
-        fill after the reset are indexed as usual. The CPU tier is emptied too."""
+        fill after the reset are indexed as usual; so are those of requests swapped out at the
+        reset (`swap_in` does not index the blocks they bring back). The CPU tier is emptied
+        too."""
         self.block_pool.reset_prefix_cache()
+        self._swapped_at_reset.update(self.swapped)
         if self.cpu_tier is not None:
             self.cpu_tier.reset()
 
@@ -291,6 +295,10 @@ class KVCacheManager:
             else:
                 table.append(next(it))
         self.req_to_blocks[request_id] = table
+        if request_id in self._swapped_at_reset:  # computed before a reset: not hits
+            self._swapped_at_reset.remove(request_id)
+            num_known = min(request.num_computed_tokens, request.num_tokens)
+            self.num_cached_blocks[request_id] = min(num_known // block_size, len(table))
         self.num_swapped_in_blocks += len(cpu_ids)
         table_ids = [block.block_id for block in table]
         new_ids = self.allocate_slots(request, num_new_tokens)
@@ -355,12 +363,14 @@ class KVCacheManager:
         saved = self.swapped.pop(request.request_id, None)
         if saved is not None:  # finished while swapped out
             self.swap_space.free([c for c in saved if c is not None])
+            self._swapped_at_reset.discard(request.request_id)
 
     def check_invariants(self) -> None:
         """See `BlockPool.check_invariants` and `CpuBlockPool.check_invariants`; raises
         AssertionError on inconsistency (a block leaked, or owned twice)."""
         self.block_pool.check_invariants(self.req_to_blocks.values())
         assert not set(self.swapped) & set(self.req_to_blocks), "swapped and on the GPU"
+        assert self._swapped_at_reset <= set(self.swapped), "a reset mark outlived its swap"
         self.swap_space.check_invariants(
             [c for saved in self.swapped.values() for c in saved if c is not None]
         )

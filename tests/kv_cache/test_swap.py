@@ -192,3 +192,31 @@ def test_reset_prefix_cache_empties_the_cpu_tier() -> None:
     manager.take_block_copies()
     manager.check_invariants()
     assert manager.cpu_tier.pool.num_free_blocks == 4
+
+
+def test_reset_prefix_cache_while_swapped_out_keeps_its_blocks_unindexed() -> None:
+    """reset_prefix_cache: no later request hits blocks computed before it, also once a
+    request swapped out at the reset has its blocks back (swap_in re-indexes the blocks of a
+    request swapped out without a reset, as the GPU pool forgot their old copies' holder)."""
+    for reset in (False, True):
+        manager = KVCacheManager(8, 4, num_swap_blocks=4)
+        request = make_request("a", list(range(10)))
+        schedule(manager, request, 10)
+        assert manager.swap_out(request)
+        manager.take_block_copies()
+        if reset:
+            manager.reset_prefix_cache()
+        for block in manager.block_pool.blocks:  # the GPU copies are reused meanwhile
+            manager.block_pool.uncache(block)
+        request.append_output_token_ids([5])
+        assert manager.swap_in(request, 1) is not None
+        later = make_request("b", [*range(10), 99])
+        _, num_hit_tokens = manager.get_computed_blocks(later)
+        assert num_hit_tokens == (0 if reset else 8), reset
+        schedule(manager, request, 1)
+        request.append_output_token_ids([6])
+        schedule(manager, request, 1)  # fills its third block, computed after the reset
+        manager.take_block_copies()
+        manager.check_invariants()
+        _, num_hit_tokens = manager.get_computed_blocks(make_request("c", [*range(10), 5, 6, 7]))
+        assert num_hit_tokens == (0 if reset else 12), reset
