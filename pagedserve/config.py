@@ -605,7 +605,7 @@ class EngineConfig:
         _check_cpu_kv_memory(
             self.cache_config,
             self.scheduler_config.preemption_mode,
-            self.parallel_config.world_size,
+            self.parallel_config.world_size * dp_size,  # every core's pp x tp ranks
         )
         budget = self.scheduler_config.max_num_batched_tokens
         max_model_len = self.model_config.max_model_len
@@ -616,16 +616,17 @@ class EngineConfig:
             )
 
 
-def _check_cpu_kv_memory(cache_config: CacheConfig, preemption_mode: str, tp_size: int) -> None:
+def _check_cpu_kv_memory(cache_config: CacheConfig, preemption_mode: str, num_ranks: int) -> None:
     """The CPU KV memory (swap space with preemption_mode "swap", and the prefix cache's CPU
-    tier), per GPU, times the ranks (this host's, as with the mp executor), must fit the host
-    memory available now (MemAvailable; physical memory where /proc/meminfo is missing).
-    Raises ValueError naming the option and the limit; also for "swap" with no swap space."""
+    tier), per GPU, times the ranks (pp x tp x data_parallel_size: this host's,
+    as with the mp executor; each data-parallel core holds its own), must fit the host memory
+    available now (MemAvailable; physical memory where /proc/meminfo is missing). Raises
+    ValueError naming the option and the limit; also for "swap" with no swap space."""
     swap = cache_config.swap_space if preemption_mode == "swap" else 0.0
     if preemption_mode == "swap" and swap == 0:
         raise ValueError("preemption_mode 'swap' needs swap_space > 0 GiB, got 0")
     available = host_memory_bytes()
-    needed = (swap + cache_config.kv_offload_gb) * tp_size * (1 << 30)
+    needed = (swap + cache_config.kv_offload_gb) * num_ranks * (1 << 30)
     if available is None or needed <= available:
         return
     options = " + ".join(
@@ -633,7 +634,7 @@ def _check_cpu_kv_memory(cache_config: CacheConfig, preemption_mode: str, tp_siz
         if gib > 0
     )  # fmt: skip
     raise ValueError(
-        f"{options} ({needed / tp_size / 2**30:.2f} GiB per GPU x {tp_size}) exceed the host "
+        f"{options} ({needed / num_ranks / 2**30:.2f} GiB per GPU x {num_ranks}) exceed the host "
         f"memory available, {available / 2**30:.2f} GiB; lower {options.replace(' + ', ' or ')}"
     )
 

@@ -462,9 +462,11 @@ class Scheduler:
             )
         sampled_ids = set(runner_output.request_ids) if prompt_logprobs else set()
         for request_id, data in prompt_logprobs.items():  # prefill chunks that sampled nothing
+            # Also for a request preempted while the chunk was in flight (async scheduling):
+            # swapped out, it resumes after the chunk, which nothing scores again.
             request = live(request_id)
-            running = request is not None and request.status == RequestStatus.RUNNING
-            if running and request_id not in sampled_ids:
+            unfinished = request is not None and not request.is_finished
+            if unfinished and request_id not in sampled_ids:
                 outputs.append(EngineCoreOutput(request_id, [], None, None, None, 0, data))
         return outputs
 

@@ -282,9 +282,10 @@ def test_random_operations_keep_invariants(
     num_swap_blocks: int,
     offload: bool,
 ) -> None:
-    """Random add / step / abort sequences: invariants hold after every operation, every
-    request ends, and at the end every block is free. `pipelined` runs the steps as async
-    scheduling does (schedule step N+1 before applying step N's tokens, as EngineCore.step);
+    """Random add / step / abort / reset_prefix_cache sequences: invariants hold after every
+    operation, every request ends, and at the end every block is free. `pipelined` runs the
+    steps as async scheduling does (schedule step N+1 before applying step N's tokens, as
+    EngineCore.step);
     every request must still have been fed exactly its own tokens at every position, and
     every key a new token attends to must hold its request's K/V (FakeModel's KV play). With
     a `sliding_window`, blocks out of the window are freed as requests advance: a request
@@ -360,6 +361,8 @@ def test_random_operations_keep_invariants(
                 requests.append(request)
         elif choice < 0.4 and requests:
             scheduler.abort_requests([rng.choice(requests).request_id])
+        elif choice < 0.43:
+            kv_cache.reset_prefix_cache()  # also while requests run or are swapped out
         else:
             step()
         scheduler.kv_cache.check_invariants()

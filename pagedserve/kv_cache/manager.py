@@ -71,6 +71,9 @@ class KVCacheManager:
         self.copies = BlockCopies()
         self.swap_space = CpuBlockPool(0, num_swap_blocks)
         self.swapped: dict[str, list[int | None]] = {}  # request id -> CPU ids (None: null)
+        # Request id -> its leading blocks whose K/V it kept through a reset_prefix_cache
+        # (running or swapped out): never indexed again, also not by `swap_in`.
+        self._unindexed: dict[str, int] = {}
         self.cpu_tier: CpuPrefixTier | None = None
         if num_offload_blocks > 0:
             if not enable_caching:
@@ -95,8 +98,11 @@ class KVCacheManager:
         """Forget every cached block (vLLM's `reset_prefix_cache`, which refuses while any
         block is in use): blocks that running requests hold stay theirs, but no later request
         hits them, neither while they run nor after they are freed. Blocks those requests
-        fill after the reset are indexed as usual. The CPU tier is emptied too."""
+        fill after the reset are indexed as usual; the same holds for requests swapped out then
+        or later (`swap_in` indexes the blocks it brings back but those). The CPU tier is
+        emptied too."""
         self.block_pool.reset_prefix_cache()
+        self._unindexed.update(self.num_cached_blocks)  # a swapped request's are kept too
         if self.cpu_tier is not None:
             self.cpu_tier.reset()
 
@@ -258,8 +264,7 @@ class KVCacheManager:
         it = iter(cpu_ids)
         self.swapped[request_id] = [None if block is null else next(it) for block in blocks]
         self.block_pool.free(reversed(blocks))
-        del self.req_to_blocks[request_id]
-        self.num_cached_blocks.pop(request_id, None)
+        del self.req_to_blocks[request_id]  # (num_cached_blocks stays, for a reset meanwhile)
         self.num_swapped_out_blocks += len(real)
         return True
 
@@ -291,6 +296,8 @@ class KVCacheManager:
             else:
                 table.append(next(it))
         self.req_to_blocks[request_id] = table
+        # Its blocks are new: `allocate_slots` indexes them, but those from before a reset.
+        self.num_cached_blocks[request_id] = self._unindexed.get(request_id, 0)
         self.num_swapped_in_blocks += len(cpu_ids)
         table_ids = [block.block_id for block in table]
         new_ids = self.allocate_slots(request, num_new_tokens)
@@ -351,6 +358,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.block_pool.free(reversed(blocks))
         self.num_cached_blocks.pop(request.request_id, None)
+        self._unindexed.pop(request.request_id, None)  # recomputed from now on, if preempted
         self.req_to_block_hashes.pop(request.request_id, None)
         saved = self.swapped.pop(request.request_id, None)
         if saved is not None:  # finished while swapped out
@@ -361,6 +369,9 @@ class KVCacheManager:
         AssertionError on inconsistency (a block leaked, or owned twice)."""
         self.block_pool.check_invariants(self.req_to_blocks.values())
         assert not set(self.swapped) & set(self.req_to_blocks), "swapped and on the GPU"
+        holders = set(self.req_to_blocks) | set(self.swapped)
+        assert set(self.num_cached_blocks) <= holders, "indexed blocks of no request"
+        assert set(self._unindexed) <= set(self.num_cached_blocks), "a reset's mark outlived it"
         self.swap_space.check_invariants(
             [c for saved in self.swapped.values() for c in saved if c is not None]
         )

@@ -13,7 +13,8 @@ touching the models):
 - Each offloaded layer gets a forward pre-hook: it waits for its own copy (started by the
   previous offloaded layer's pre-hook on a side stream), points the parameters at the device
   copies, and starts the copy of the next offloaded layer (cyclically: the last one fetches
-  the first for the next step). A forward hook points the parameters back at the host
+  the first of its own layer stack for the next step, as a vision-language model's vision
+  layers run only in the steps with an image). A forward hook points the parameters back at the host
   tensors, so at most two offloaded layers' weights are on the device at a time.
 - The hooks are Python code around each forward, so the decode CUDA graphs are not captured
   with offload on (the step is bound by the copies anyway: PCIe moves ~50 GB/s).
@@ -53,6 +54,7 @@ class CpuOffloader:
         self._host: list[dict[str, torch.Tensor]] = []
         self._pending: dict[int, _Fetch] = {}
         self._offloaded: set[int] = set()  # id() of the offloaded parameters
+        self._stacks: list[int] = []  # id() of each offloaded layer's ModuleList
         self._handles: list[RemovableHandle] = []
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
@@ -62,7 +64,7 @@ class CpuOffloader:
 
         def on_register(parent: nn.Module, name: str, module: nn.Module | None) -> None:
             if isinstance(parent, nn.ModuleList) and module is not None:
-                self._offload(module)
+                self._offload(module, parent)
 
         handle = nn.modules.module.register_module_module_registration_hook(on_register)
         try:
@@ -70,7 +72,7 @@ class CpuOffloader:
         finally:
             handle.remove()
 
-    def _offload(self, module: nn.Module) -> None:
+    def _offload(self, module: nn.Module, stack: nn.ModuleList) -> None:
         if self.offloaded_bytes >= self.budget_bytes:
             return
         params = dict(module.named_parameters())
@@ -87,6 +89,7 @@ class CpuOffloader:
             self.offloaded_bytes += tensor.numel() * tensor.element_size()
         self.modules.append(module)
         self._host.append(host)
+        self._stacks.append(id(stack))
 
     def attach(self) -> None:
         """Install the fetch hooks (after the weights are loaded into the host tensors)."""
@@ -129,11 +132,20 @@ class CpuOffloader:
                     tensor.record_stream(current)
             for name, param in module.named_parameters():
                 param.data = tensors[name]
-            following = (index + 1) % len(self.modules)
+            following = self._following(index)
             if following != index and following not in self._pending:
                 self._pending[following] = self._fetch(following)
 
         return hook
+
+    def _following(self, index: int) -> int:
+        """The offloaded layer that the forward reaches after layer `index`: the next one
+        built; after the last one, the first one of its stack, which runs every step (a
+        vision-language model's vision layers, built before its language model's, run only
+        in the steps that encode an image)."""
+        if index + 1 < len(self.modules):
+            return index + 1
+        return self._stacks.index(self._stacks[index])
 
     def _post_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:

@@ -189,3 +189,35 @@ def test_swap_space_is_not_checked_or_taken_without_swap_mode() -> None:
     llm = make_llm(num_gpu_blocks_override=18)  # the 4 GiB default, recompute
     assert llm.llm_engine.engine_core.executor.worker.runner.cpu_kv_cache is None
     assert llm.llm_engine.kv_cache.swap_space.num_blocks == 0
+
+
+def test_prompt_logprobs_of_a_chunk_in_flight_when_its_request_is_swapped_out(
+    ample: LLM,
+) -> None:
+    """Async scheduling swaps out requests mid-prefill while a chunk of theirs is in flight:
+    that chunk's prompt logprobs still reach the output (the request resumes after it, so
+    nothing scores those positions again); the prompt logprobs equal the unconstrained run's."""
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(ample)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
+
+    def scores(outputs: list[Any]) -> list[list[list[tuple[int, float]]]]:
+        return [
+            [sorted((t, round(p.logprob, 3)) for t, p in e.items()) for e in o.prompt_logprobs[1:]]
+            for o in outputs
+        ]
+
+    expected = scores(ample.generate(prompts, params, use_tqdm=False))
+    llm = make_llm(**TIGHT, preemption_mode="swap", swap_space=0.01, async_scheduling=True)
+    mid_prefill = record_prefill_swaps(llm)
+    assert scores(llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert any(mid_prefill)
+
+
+def test_host_memory_check_counts_every_data_parallel_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each data-parallel core holds its own swap space and CPU tier: 2 GiB per GPU on two
+    cores of one rank each need 4 GiB of the host's 3."""
+    monkeypatch.setattr("pagedserve.config.host_memory_bytes", lambda: 3 << 30)
+    options: dict[str, Any] = dict(model=MODEL, preemption_mode="swap", swap_space=2.0)
+    EngineArgs(**options).create_engine_config()  # one core: 2 GiB fit
+    with pytest.raises(ValueError, match=r"swap_space \(2.00 GiB per GPU x 2\) exceed"):
+        EngineArgs(**options, data_parallel_size=2).create_engine_config()

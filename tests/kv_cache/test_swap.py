@@ -192,3 +192,39 @@ def test_reset_prefix_cache_empties_the_cpu_tier() -> None:
     manager.take_block_copies()
     manager.check_invariants()
     assert manager.cpu_tier.pool.num_free_blocks == 4
+
+
+def test_reset_prefix_cache_while_swapped_out_keeps_its_blocks_unindexed() -> None:
+    """reset_prefix_cache: no later request hits blocks computed before it, also once a
+    request swapped out at the reset, or running then and swapped out later, has its blocks
+    back, however many times (swap_in indexes the blocks it brings back, as the GPU pool may
+    have reused their first copies, but not those computed before a reset). Blocks filled
+    after the reset are hits as usual."""
+    for when in ("no reset", "swapped", "running"):
+        manager = KVCacheManager(8, 4, num_swap_blocks=4)
+        request = make_request("a", list(range(10)))
+        schedule(manager, request, 10)
+        if when == "running":
+            manager.reset_prefix_cache()
+        for cycle in range(2):
+            assert manager.swap_out(request)
+            manager.take_block_copies()
+            if when == "swapped" and cycle == 0:
+                manager.reset_prefix_cache()
+            for block in manager.block_pool.blocks:  # the GPU copies are reused meanwhile
+                manager.block_pool.uncache(block)
+            request.append_output_token_ids([5 + cycle])
+            assert manager.swap_in(request, 1) is not None
+            manager.take_block_copies()
+            later = make_request("b", [*range(10), 99])
+            _, num_hit_tokens = manager.get_computed_blocks(later)
+            assert num_hit_tokens == (8 if when == "no reset" else 0), (when, cycle)
+            schedule(manager, request, 1)
+            manager.check_invariants()
+        # Its third block (positions 8-11) was filled after any reset: indexed as usual.
+        indexed = [b.block_hash is not None for b in manager.req_to_blocks["a"]]
+        assert indexed == ([True] * 3 if when == "no reset" else [False, False, True]), when
+        manager.free(request)
+        manager.check_invariants()
+        _, num_hit_tokens = manager.get_computed_blocks(make_request("c", [*range(10), 5, 6, 7]))
+        assert num_hit_tokens == (12 if when == "no reset" else 0), when

@@ -85,3 +85,39 @@ def test_bad_budgets_are_refused() -> None:
 def test_quantized_model_is_refused() -> None:
     with pytest.raises(NotImplementedError, match="cpu_offload_gb with quantization='fp8'"):
         LLM(str(MODEL), cpu_offload_gb=0.001, quantization="fp8")
+
+
+def test_steps_without_images_prefetch_the_language_models_first_layer(tmp_path: Path) -> None:
+    """LLaVA with every layer offloaded, its CLIP layers first (built first): a step without
+    an image runs only the language model's layers, so its last layer must prefetch its
+    first for the next step, not CLIP's first (which would stay on the device while the
+    language model's first layer is fetched without overlap every step). The outputs, with
+    and without images, equal the run without offload."""
+    from tests.models.tiny_llava import ONE, build_tiny_llava, image
+
+    build_tiny_llava(tmp_path)
+    options: dict[str, Any] = dict(
+        dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=64
+    )
+    prompts: list[Any] = [{"prompt": ONE, "multi_modal_data": {"image": image(0)}}, "Hello"]
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **options).generate(prompts, GREEDY)]
+    llm = LLM(str(tmp_path), cpu_offload_gb=1.0, **options)
+    offload = offloader(llm)
+    kinds = [type(module).__name__ for module in offload.modules]
+    assert kinds[0] == "CLIPEncoderLayer" and kinds[-1] == "LlamaDecoderLayer"
+    misses: list[str] = []  # layers whose weights were not prefetched when the forward came
+
+    def record(index: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if index not in offload._pending:
+                misses.append(kinds[index])
+
+        return hook
+
+    for index, module in enumerate(offload.modules):
+        module.register_forward_pre_hook(record(index), prepend=True)  # before the fetch
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+    misses.clear()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[1:], GREEDY)] == want[1:]
+    assert misses == []  # 12 steps of the language model alone
+    assert all(kinds[index] == "LlamaDecoderLayer" for index in offload._pending)

@@ -270,6 +270,44 @@ def test_batch_and_preemption(qwen_dir: Path, llm: LLM) -> None:
     assert small.llm_engine.scheduler.num_preemptions_total > 0
 
 
+def test_swap_cpu_tier_chunks_async_and_prefix_hits_together(qwen_dir: Path, llm: LLM) -> None:
+    """Images under every KV feature at once: 7-token chunks with async scheduling, prefix
+    hits ending inside images (repeated and shifted prompts), a 20-block cache whose requests
+    are swapped out and in (their M-RoPE positions rebuilt past the images), and evicted
+    blocks back from the CPU tier: each output is the roomy run's."""
+    one = ONE.replace("user\n", "user\nLook")
+    two = TWO.replace("user\n", "user\nLook")
+    batch: list[Any] = [
+        {"prompt": TWO, "multi_modal_data": {"image": [image(s), wide_image(s + 1)]}}
+        for s in range(3)
+    ]
+    batch += [
+        {"prompt": one, "multi_modal_data": {"image": image(3)}},
+        {"prompt": two, "multi_modal_data": {"image": [image(3), wide_image(4)]}},
+        "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    batch += [batch[0], batch[4]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    tight = make_llm(
+        qwen_dir,
+        max_model_len=64,
+        num_gpu_blocks_override=20,
+        block_size=4,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=7,
+        async_scheduling=True,
+        preemption_mode="swap",
+        swap_space=0.01,
+        kv_offload_gb=0.01,
+    )
+    for _ in range(2):  # the second time, hits in both tiers
+        assert [o.outputs[0].token_ids for o in tight.generate(batch, params)] == expected
+    assert tight.llm_engine.scheduler.num_swap_outs_total > 0
+    assert tight.llm_engine.kv_cache.num_cpu_hit_tokens > 0
+    tight.llm_engine.kv_cache.check_invariants()
+
+
 def test_new_checkpoint_layout(qwen_dir: Path, llm: LLM, tmp_path: Path) -> None:
     """The model.visual. / model.language_model. layout loads to the same model as the
     visual. / model. one that this transformers saves."""
