@@ -87,11 +87,12 @@ LEAVES = {
     "pagedserve.roofline",
     "pagedserve.multimodal",
     "pagedserve.pp_layers",  # the pipeline stages' layer split, for config's checks
+    "pagedserve.config_checks",  # config's checks across domains
 }
-# Never import torch (anywhere in their body, except config's device check): their tests run
-# in milliseconds and the API server's process stays free of model code.
+# Never import torch (anywhere in their body, except config's device and GPU-count checks):
+# their tests run in milliseconds and the API server's process stays free of model code.
 TORCH_FREE = [
-    *LEAVES - {"pagedserve.config"},
+    *LEAVES - {"pagedserve.config", "pagedserve.config_checks"},
     "pagedserve.request",
     "pagedserve.step",
     "pagedserve.messages",

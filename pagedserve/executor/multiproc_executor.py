@@ -49,7 +49,8 @@ from typing import Any
 import torch
 
 from pagedserve import envs
-from pagedserve.config import EngineConfig, check_gpus_for_ranks
+from pagedserve.config import EngineConfig
+from pagedserve.config_checks import check_gpus_for_ranks
 from pagedserve.distributed.parallel_state import get_open_port
 from pagedserve.errors import EngineDeadError
 from pagedserve.executor.base import STARTUP_TIMEOUT_S, RankGroupExecutor

@@ -14,7 +14,7 @@ import time
 import torch
 
 from pagedserve.attention.kv_quant import kv_cache_torch_dtype
-from pagedserve.config import host_memory_bytes
+from pagedserve.config_checks import host_memory_bytes
 from pagedserve.layers.attention import Attention
 from pagedserve.models.loader import load_model as load_checkpoint
 from pagedserve.step import SchedulerOutput

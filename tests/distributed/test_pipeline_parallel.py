@@ -15,7 +15,8 @@ import torch
 import transformers
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import ParallelConfig, check_gpus_for_ranks
+from pagedserve.config import ParallelConfig
+from pagedserve.config_checks import check_gpus_for_ranks
 from pagedserve.distributed.parallel_state import set_pipeline_parallel_state
 from pagedserve.errors import EngineDeadError
 from pagedserve.models.loader import load_model

@@ -216,7 +216,7 @@ def test_prompt_logprobs_of_a_chunk_in_flight_when_its_request_is_swapped_out(
 def test_host_memory_check_counts_every_data_parallel_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each data-parallel core holds its own swap space and CPU tier: 2 GiB per GPU on two
     cores of one rank each need 4 GiB of the host's 3."""
-    monkeypatch.setattr("pagedserve.config.host_memory_bytes", lambda: 3 << 30)
+    monkeypatch.setattr("pagedserve.config_checks.host_memory_bytes", lambda: 3 << 30)
     options: dict[str, Any] = dict(model=MODEL, preemption_mode="swap", swap_space=2.0)
     EngineArgs(**options).create_engine_config()  # one core: 2 GiB fit
     with pytest.raises(ValueError, match=r"swap_space \(2.00 GiB per GPU x 2\) exceed"):
