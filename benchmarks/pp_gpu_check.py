@@ -17,7 +17,6 @@ Stages (each prints one JSON line per run; the exit code is 1 if an equality che
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.tp_gpu_check import greedy as tp_greedy  # noqa: E402
+from benchmarks.tp_gpu_check import save_random_models  # noqa: E402
 
 _TINY = dict(
     hidden_size=64,
@@ -40,44 +42,19 @@ _TINY = dict(
 
 def models(folder: Path) -> dict[str, Path]:
     """The bundled stories260k and tiny random 4-layer Llama and Qwen3 saved in `folder`."""
-    import torch
     import transformers
 
     configs = {
         "llama4": transformers.LlamaConfig(**_TINY, vocab_size=512, tie_word_embeddings=True),
-        "qwen3": transformers.Qwen3Config(**_TINY, vocab_size=509, head_dim=32),
+        "qwen3": transformers.Qwen3Config(**_TINY, vocab_size=512, head_dim=32),
     }
-    paths = {"stories260k": REPO / "pagedserve" / "assets" / "stories260k"}
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(folder / name)
-        paths[name] = folder / name
-    return paths
+    stories = {"stories260k": REPO / "pagedserve" / "assets" / "stories260k"}
+    return stories | save_random_models(folder, configs)
 
 
 def greedy(model: Path, pp_size: int, tp_size: int, dtype: str, device: str) -> list[list[int]]:
-    from pagedserve import LLM, SamplingParams
-
-    rng = random.Random(0)
-    prompts = [
-        {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(4, 100))]}
-        for _ in range(32)
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    with LLM(
-        str(model),
-        dtype=dtype,
-        device=device,
-        pipeline_parallel_size=pp_size,
-        tensor_parallel_size=tp_size,
-        skip_tokenizer_init=True,
-        kv_cache_memory_bytes=1 << 28,
-        max_model_len=256,
-        max_num_seqs=32,
-    ) as llm:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+    """tp_gpu_check's greedy tokens at pipeline_parallel_size `pp_size` x `tp_size`."""
+    return tp_greedy(model, tp_size, dtype, device, pipeline_parallel_size=pp_size)
 
 
 def stage_equality(pp_sizes: list[int], tp_size: int, device: str) -> bool:

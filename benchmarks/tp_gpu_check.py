@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,7 +46,6 @@ _TINY = dict(
 def tiny_models(folder: Path) -> dict[str, Path]:
     """Random tiny models (peaked logits: no near-ties) plus the real stories260k (bundled)
     and tinystories-656k (from $PAGEDSERVE_TEST_MODELS, when set)."""
-    import torch
     import transformers
 
     configs = {
@@ -60,6 +60,15 @@ def tiny_models(folder: Path) -> dict[str, Path]:
     shared = Path(os.environ.get("PAGEDSERVE_TEST_MODELS", REPO.parent / "shared" / "models"))
     if (shared / "tinystories-656k").is_dir():
         paths["tinystories-656k"] = shared / "tinystories-656k"
+    return paths | save_random_models(folder, configs)
+
+
+def save_random_models(folder: Path, configs: dict[str, Any]) -> dict[str, Path]:
+    """Each config's model, seeded random float32 weights, saved in `folder`/name."""
+    import torch
+    import transformers
+
+    paths = {}
     for name, config in configs.items():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -68,7 +77,10 @@ def tiny_models(folder: Path) -> dict[str, Path]:
     return paths
 
 
-def greedy(model: Path, tp_size: int, dtype: str, device: str) -> list[list[int]]:
+def greedy(
+    model: Path, tp_size: int, dtype: str, device: str, **engine_kwargs: Any
+) -> list[list[int]]:
+    """Greedy tokens of 32 random prompts (64 out) at `tp_size` (and `engine_kwargs`)."""
     from pagedserve import LLM, SamplingParams
 
     rng = random.Random(0)
@@ -86,6 +98,7 @@ def greedy(model: Path, tp_size: int, dtype: str, device: str) -> list[list[int]
         kv_cache_memory_bytes=1 << 28,
         max_model_len=256,
         max_num_seqs=32,  # 32 prompts; fewer CUDA graphs to capture per engine
+        **engine_kwargs,
     ) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
