@@ -1,17 +1,15 @@
 """The engine configuration's cross-domain start-up checks (`EngineConfig.__post_init__`):
 tensor, expert and pipeline parallel splits against the model, ranks against the GPUs, and
-the CPU KV memory against the host's. Import rule: as config.py (a leaf; torch lazily)."""
+the CPU KV memory against the host's. Import rule: as config.py (a leaf; torch lazily); the
+configs are typed Any here because config.py imports this module (no import circle)."""
 
 import os
 from typing import Any
 
 from pagedserve.pp_layers import pp_partition
 
-# The configs are typed Any here: config.py imports this module (no import circle).
-CacheConfig = ParallelConfig = Any
 
-
-def check_cpu_kv_memory(cache_config: CacheConfig, preemption_mode: str, num_ranks: int) -> None:
+def check_cpu_kv_memory(cache_config: Any, preemption_mode: str, num_ranks: int) -> None:
     """The CPU KV memory (swap space with preemption_mode "swap", and the prefix cache's CPU
     tier), per GPU, times the ranks (pp x tp x data_parallel_size: this host's,
     as with the mp executor; each data-parallel core holds its own), must fit the host memory
@@ -78,7 +76,7 @@ def check_tensor_parallel_size(hf_config: Any, tp_size: int) -> None:
         )
 
 
-def check_pipeline_parallel(hf_config: Any, parallel_config: ParallelConfig) -> None:
+def check_pipeline_parallel(hf_config: Any, parallel_config: Any) -> None:
     """Every pipeline stage gets at least one decoder layer, and the split that
     PAGEDSERVE_PP_LAYER_PARTITION gives (if any) fits the model: checked before any worker
     starts. Raises ValueError naming pipeline_parallel_size and num_hidden_layers."""
@@ -89,7 +87,7 @@ def check_pipeline_parallel(hf_config: Any, parallel_config: ParallelConfig) -> 
     pp_partition(num_layers, pp_size, parallel_config.pp_layer_partition)
 
 
-def check_gpu_count(device: str, parallel_config: ParallelConfig) -> None:
+def check_gpu_count(device: str, parallel_config: Any) -> None:
     """On device "cuda" the ranks of this host (pipeline_parallel_size x
     tensor_parallel_size with the 'mp' executor) need a GPU each. Raises ValueError naming
     both sizes and the GPUs visible. ("auto" is checked by the executor, which resolves it.)"""
@@ -101,7 +99,7 @@ def check_gpu_count(device: str, parallel_config: ParallelConfig) -> None:
     check_gpus_for_ranks(world_size, torch.cuda.device_count(), parallel_config)
 
 
-def check_gpus_for_ranks(world_size: int, num_gpus: int, parallel_config: ParallelConfig) -> None:
+def check_gpus_for_ranks(world_size: int, num_gpus: int, parallel_config: Any) -> None:
     """Raise ValueError when `world_size` ranks on one host exceed its `num_gpus` GPUs."""
     if world_size > num_gpus:
         raise ValueError(
