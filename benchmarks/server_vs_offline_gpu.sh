@@ -37,3 +37,6 @@ timeout 300 "${CLI[@]}" "${SERVE[@]}" --num-prompts "$SWEEP_PROMPTS" --max-concu
 echo "rc=$?"; grep -E "Maximum request concurrency|Output token throughput|Median (TTFT|TPOT)" \
   "$OUT/sweep.log"
 kill $SERVER; wait $SERVER 2>/dev/null
+# The device returns at most 8 files: the logs go back as one tar, the plot on its own.
+tar -cf "$OUT/server_vs_offline_logs.tar" -C "$OUT" offline.log server.log serve_256.log sweep.log \
+  && rm "$OUT"/offline.log "$OUT"/server.log "$OUT"/serve_256.log "$OUT"/sweep.log
