@@ -11,6 +11,7 @@ from PIL import Image
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import get_model_max_len
+from tests.models.image_urls import data_url, png
 from tests.models.tiny_llava import (
     GREEDY,
     IMAGE_TOKEN_ID,
@@ -352,18 +353,10 @@ def test_registry_runs_llava_natively_only() -> None:
 def test_chat_with_image_parts(llm: LLM, tmp_path: Path) -> None:
     """LLM.chat renders each image_url part as the template's "<image>" and gives the
     offline generate's tokens; a bad part is refused naming it."""
-    import base64
-    import io
-
-    def url(img: Image.Image) -> str:
-        buf = io.BytesIO()
-        img.save(buf, "PNG")  # lossless: the same pixels as the PIL image
-        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
     parts = [
-        {"type": "image_url", "image_url": {"url": url(image(1))}},
+        {"type": "image_url", "image_url": {"url": data_url(image(1))}},
         {"type": "text", "text": "and"},
-        {"type": "image_url", "image_url": {"url": url(image(2))}},
+        {"type": "image_url", "image_url": {"url": data_url(image(2))}},
     ]
     [output] = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
     assert output.prompt == "USER: <image>\n<image>\nand ASSISTANT:"
@@ -383,7 +376,7 @@ def test_chat_with_image_parts(llm: LLM, tmp_path: Path) -> None:
     )  # fmt: skip
     assert as_text.prompt == "USER: <image>\n<image>\nand ASSISTANT:"
 
-    (tmp_path / "cat.png").write_bytes(base64.b64decode(url(image(1)).split(",")[1]))
+    (tmp_path / "cat.png").write_bytes(png(image(1)))
     bad = {"type": "image_url", "image_url": {"url": f"file://{tmp_path / 'cat.png'}"}}
     with pytest.raises(ValueError, match="without --allowed-local-media-path") as error:
         llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, bad]}])

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from pagedserve import LLM, SamplingParams
+from tests.models.image_urls import data_url
 from tests.models.tiny_qwen2_5_vl import (
     GREEDY,
     IMAGE_TOKEN_ID,
@@ -169,18 +170,10 @@ def test_prompt_logprobs_match_transformers(qwen_dir: Path, hf_model: Any, llm: 
 def test_chat_with_image_parts(llm: LLM) -> None:
     """LLM.chat renders each image part as <|vision_start|><|image_pad|><|vision_end|> (the
     template's) and gives the offline generate's tokens."""
-    import base64
-    import io
-
-    def url(img: Image.Image) -> str:
-        buf = io.BytesIO()
-        img.save(buf, "PNG")  # lossless: the same pixels as the PIL image
-        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
     parts = [
-        {"type": "image_url", "image_url": {"url": url(image(1))}},
+        {"type": "image_url", "image_url": {"url": data_url(image(1))}},
         {"type": "text", "text": "and"},
-        {"type": "image_url", "image_url": {"url": url(wide_image(2))}},
+        {"type": "image_url", "image_url": {"url": data_url(wide_image(2))}},
     ]
     [output] = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
     image_text = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -6,7 +6,6 @@ content part while the server keeps serving."""
 import base64
 import functools
 import http.server
-import io
 import os
 import threading
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import pytest
 from PIL import Image
 
 from pagedserve import LLM
+from tests.models.image_urls import data_url, png
 from tests.models.tiny_llava import GREEDY, MAX_TOKENS, build_tiny_llava, image
 
 from .conftest import Server
@@ -26,16 +26,6 @@ ONE_RENDERED = "USER: <image>\nWhat is in this picture? ASSISTANT:"
 TWO_RENDERED = "USER: <image>\n<image>\nHow do they differ? ASSISTANT:"
 CHAT_PARAMS: dict[str, Any] = {"temperature": 0, "max_tokens": MAX_TOKENS}
 IGNORE_EOS = {"ignore_eos": True}
-
-
-def png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "PNG")  # lossless: the server decodes the very pixels
-    return buf.getvalue()
-
-
-def data_url(img: Image.Image) -> str:
-    return "data:image/png;base64," + base64.b64encode(png(img)).decode()
 
 
 def image_part(url: str) -> dict[str, Any]:
