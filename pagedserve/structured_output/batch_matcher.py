@@ -1,29 +1,23 @@
-"""A step's xgrammar calls for all its constrained requests at once: the bitmask fill and the
-accept of the sampled tokens, each spread over host threads.
+"""A step's xgrammar calls for all its constrained requests at once: the bitmask fill (on
+xgrammar's C++ threads) and the accept of the sampled tokens (one call).
 
-xgrammar's `BatchGrammarMatcher.batch_fill_next_token_bitmask` fills on its own C++ threads;
-its `batch_accept_token` runs on the calling thread only, but (like the fill) releases the GIL
-while it runs, so the accept is cut into chunks that Python threads run at once. Both run on
-the engine's critical path of every constrained step (BENCHMARKS.md, issue 17: 256 accepts
-took ~2.5 ms of a ~13 ms host step on one thread).
+Both release the GIL while they run. The accept is one call on the calling thread: cut into
+chunks on Python threads it ran slower on the H200 host (4.3-4.6 ms for 256 tokens against
+2.1-2.6 ms in one call, BENCHMARKS.md issue 17), each chunk waiting for the GIL to start and
+to return. What runs both beside the engine thread is `StructuredOutputManager.start_ahead`.
 """
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from pagedserve import envs
 
-# Fewest matchers a thread's chunk of the accept gets: below it a thread's hand-off (~20 us)
-# costs more than the ~5-10 us a token it saves.
-_MIN_ACCEPT_CHUNK = 16
-
 
 def fill_threads() -> int:
-    """The host threads of a step's grammar work (the fill's C++ threads, the accept's
-    chunks): half the cores this process may run on (`os.sched_getaffinity`), less
+    """The host threads of a step's bitmask fill (xgrammar's C++ threads): half the cores
+    this process may run on (`os.sched_getaffinity`), less
     `PAGEDSERVE_CPU_NUM_OF_RESERVED_CPU`, at least 1.
 
     xgrammar's own "auto" is half of `std::thread::hardware_concurrency()`: every core of the
@@ -38,16 +32,15 @@ def fill_threads() -> int:
 
 
 class BatchMatcher:
-    """xgrammar's batched fill and accept on `threads` host threads (`fill_threads()` when
-    None). Mirrors the calls of xgrammar's `BatchGrammarMatcher` (0.2.x)."""
+    """xgrammar's batched fill on `threads` host threads (`fill_threads()` when None) and
+    batched accept. Mirrors the calls of xgrammar's `BatchGrammarMatcher` (0.2.x)."""
 
     def __init__(self, threads: int | None = None) -> None:
         import xgrammar as xgr
 
         self.threads = fill_threads() if threads is None else max(1, threads)
         self._xgr = xgr.BatchGrammarMatcher(max_threads=self.threads)
-        self._accept_one = xgr.BatchGrammarMatcher.batch_accept_token
-        self._pool: ThreadPoolExecutor | None = None  # the accept's other chunks; on first use
+        self._accept = xgr.BatchGrammarMatcher.batch_accept_token
 
     def fill(
         self, matchers: list[Any], bitmask: np.ndarray, indices: list[int] | None = None
@@ -60,21 +53,5 @@ class BatchMatcher:
     def accept(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
         """Advance `matchers[i]` by `tokens[i]`; whether each was accepted (False: the token
         is not allowed, the matcher stays where it was). Each matcher at most once."""
-        chunks = min(self.threads, len(matchers) // _MIN_ACCEPT_CHUNK)
-        if chunks <= 1:
-            return self._accept_one(matchers, tokens)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="grammar-accept")
-        bounds = [len(matchers) * i // chunks for i in range(chunks + 1)]
-        futures = [
-            self._pool.submit(self._accept_one, matchers[start:stop], tokens[start:stop])
-            for start, stop in zip(bounds[1:-1], bounds[2:], strict=True)
-        ]
-        accepted = self._accept_one(matchers[: bounds[1]], tokens[: bounds[1]])
-        for future in futures:
-            accepted += future.result()
+        accepted: list[bool] = self._accept(matchers, tokens)
         return accepted
-
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)

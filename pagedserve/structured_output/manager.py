@@ -244,9 +244,8 @@ class StructuredOutputManager:
     def accept_tokens(self, sampled: Sequence[tuple[Request, int, Any]]) -> set[str]:
         """`accept_token` for a step's sampled tokens (request, token id, anything), each
         already appended to its request; the ids of the requests whose grammars terminated.
-        The grammars past their reasoning advance in xgrammar batch calls, in chunks on host
-        threads (`BatchMatcher.accept`), not one Python call per request: this runs between
-        a step's result and the next step's bitmask, on the critical path of every
+        The grammars past their reasoning advance together (`BatchMatcher.accept`): this runs
+        between a step's result and the next step's bitmask, on the critical path of every
         constrained step."""
         batch: list[Request] = []
         terminated: set[str] = set()
@@ -327,8 +326,6 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        if self._batch_matcher is not None:
-            self._batch_matcher.shutdown()
 
 
 def _width(manager: StructuredOutputManager) -> int:

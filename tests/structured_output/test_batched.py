@@ -123,13 +123,12 @@ def test_batched_accept_rejects_an_invalid_token_as_before(tokenizer: Any) -> No
     manager.shutdown()
 
 
-def test_accept_in_chunks_on_threads_equals_one_call(
-    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_batched_accept_equals_one_request_at_a_time(tokenizer: Any) -> None:
+    """`accept_tokens` (one xgrammar call for the step) against `accept_token` per request:
+    the same grammars end, the same tokens are fed or escape, the same next masks."""
     tokens = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", '"', "1", "}", "x")]
     outcomes = []
-    for threads in (1, 3):  # 3: the accept runs as 3 chunks (56 live matchers)
-        monkeypatch.setattr(batch_module, "fill_threads", lambda n=threads: n)
+    for batched in (True, False):
         manager = _manager(tokenizer)
         requests = [_advanced(manager, tokenizer, i) for i in range(8 * len(CASES))]
         live = [r for r in requests if not r.structured_output.grammar.terminated]  # type: ignore[union-attr]
@@ -138,17 +137,19 @@ def test_accept_in_chunks_on_threads_equals_one_call(
             token = tokens[i % len(tokens)]
             request.append_output_token_ids([token])
             applied.append((request, token, None))
-        ended = manager.accept_tokens(applied)
+        if batched:
+            ended = manager.accept_tokens(applied)
+        else:
+            ended = {r.request_id for r, t, _ in applied if manager.accept_token(r, t)}
         grammars = [r.structured_output.grammar for r in live]  # type: ignore[union-attr]
         fed = [g.num_processed_tokens for g in grammars]  # type: ignore[union-attr]
         escaped = [r.structured_output.num_output_tokens_before for r in live]  # type: ignore[union-attr]
-        assert manager._batch().threads == threads
         outcomes.append((ended, fed, escaped, manager.grammar_bitmask(live)))
         manager.shutdown()
-    (ended, fed, escaped, bitmask), threaded = outcomes
+    (ended, fed, escaped, bitmask), single = outcomes
     assert 0 < sum(escaped) < len(escaped)  # some tokens rejected, some accepted
-    assert ended == threaded[0] and fed == threaded[1] and escaped == threaded[2]
-    np.testing.assert_array_equal(bitmask, threaded[3])
+    assert ended == single[0] and fed == single[1] and escaped == single[2]
+    np.testing.assert_array_equal(bitmask, single[3])
 
 
 def test_fill_threads_follow_affinity_and_reserved_cores(monkeypatch: pytest.MonkeyPatch) -> None:
