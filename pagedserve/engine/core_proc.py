@@ -30,11 +30,14 @@ The core binds "input" and the server connects to it once the core is ready; the
 "shutdown", when its parent process is gone (checked while idle), or on an error.
 """
 
+import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -89,6 +92,35 @@ def feature_from_data(data: MultiModalFeatureData) -> MultiModalFeature:
     return MultiModalFeature(pixels, data.offset, data.length, data.identifier, data.modality, grid)
 
 
+# Packages that transformers' config modules import when installed, which the engine core
+# never uses through transformers (see `unused_imports_hidden`).
+UNUSED_IMPORTS = ("torchvision", "sklearn")
+
+
+@contextlib.contextmanager
+def unused_imports_hidden(names: tuple[str, ...] = UNUSED_IMPORTS) -> Iterator[None]:
+    """While it lasts, `import NAME` finds nothing (a None in `sys.modules`) for each of
+    `names` not imported yet.
+
+    transformers' config modules import its image utilities, which import torchvision when
+    it is installed (and torchvision imports torch._dynamo), and its generation utilities,
+    which import sklearn: 4.2 s and 1.2 s of the 7.9 s that loading a Llama config took on
+    the H200 host (`python -X importtime`, BENCHMARKS.md issue 20), on the critical path of
+    the server's start. The engine-core process neither processes images with transformers
+    (the API server's process does) nor runs its `generate`, so it loads its config without
+    them. Afterwards they import normally (a model's own code may use them), but the
+    transformers modules loaded meanwhile keep their paths without them."""
+    hidden = [name for name in names if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
+
+
 def run_engine_core(
     engine_args: dict[str, Any],
     input_address: str,
@@ -121,7 +153,8 @@ def run_engine_core(
         if age is not None:  # the process's start: Python, torch and the model code's imports
             logger.info("engine core process up in %.1f s (imports)", age)
         start = time.perf_counter()
-        config = EngineArgs(**engine_args).create_engine_config()
+        with unused_imports_hidden():
+            config = EngineArgs(**engine_args).create_engine_config()
         logger.info("engine config in %.1f s", time.perf_counter() - start)
         core = EngineCore(config)
         loop = _CoreLoop(core, input_address, output_address, parent_pid)

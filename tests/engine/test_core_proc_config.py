@@ -1,0 +1,71 @@
+"""The engine-core process loads its model config without importing torchvision and sklearn
+(`core_proc.unused_imports_hidden`): transformers' config modules import them when installed
+(torchvision imports torch._dynamo), seconds of every server start (BENCHMARKS.md, issue 20).
+
+Neither is installed here: stand-in packages record their import in a file."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SHARED = Path(__file__).resolve().parents[3] / "shared"
+MODEL = _SHARED / "models" / "tinystories-656k"
+
+# Enough of torchvision's names for transformers' image utilities to import.
+_STAND_IN = """
+class _Any:
+    def __getattr__(self, name): return self
+    def __call__(self, *args, **kwargs): return self
+def __getattr__(name): return _Any()
+"""
+
+
+def _stand_in(root: Path) -> Path:
+    for name, subs in (("torchvision", ("transforms", "io")), ("sklearn", ("metrics",))):
+        package = root / name
+        for sub in ("", *subs):
+            (package / sub).mkdir(parents=True, exist_ok=True)
+            (package / sub / "__init__.py").write_text(_STAND_IN)
+        (package / "__init__.py").write_text(
+            f'import os\nopen(os.environ["MARKER"], "a").write("{name}\\n")\n'
+            '__version__ = "0.99.0"\n' + _STAND_IN
+        )
+    (root / "torchvision" / "transforms" / "functional.py").write_text(_STAND_IN)
+    return root
+
+
+def _run(code: str, root: Path, marker: Path) -> str:
+    env = dict(os.environ, MARKER=str(marker), PYTHONPATH=f"{root}{os.pathsep}{Path.cwd()}")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.skipif(not MODEL.is_dir(), reason="needs ../shared/models")
+def test_the_config_loads_without_torchvision_and_sklearn_which_import_afterwards(
+    tmp_path: Path,
+) -> None:
+    root = _stand_in(tmp_path / "site")
+    load = (
+        "from pagedserve.engine.model_files import load_hf_config\n"
+        f"config = load_hf_config({str(MODEL)!r})\n"
+    )
+    plain, hidden = tmp_path / "plain", tmp_path / "hidden"
+    # Without it, loading the config imports the torchvision stand-in: the test can fail.
+    # (transformers imports sklearn only where scipy is installed too: not here.)
+    _run(load, root, plain)
+    assert "torchvision" in plain.read_text().split()
+    out = _run(
+        "import sys\nfrom pagedserve.engine.core_proc import unused_imports_hidden\n"
+        f"with unused_imports_hidden():\n    {load.replace(chr(10), chr(10) + '    ')}\n"
+        "print(type(config).__name__, 'torchvision' in sys.modules, 'sklearn' in sys.modules)\n"
+        "import torchvision, sklearn\nprint('after', torchvision.__version__)\n",
+        root,
+        hidden,
+    )
+    assert out.split() == ["LlamaConfig", "False", "False", "after", "0.99.0"]
+    assert hidden.read_text().split() == ["torchvision", "sklearn"]  # the imports after it
