@@ -11,16 +11,26 @@ it is.
 
 import torch
 
+# Most device memory a swap's staging buffer takes (bytes): copies go through it in chunks of
+# blocks, all layers of a block side by side.
+_STAGING_BYTES = 64 * 2**20
+
 
 class CpuKVCache:
-    """Per attention layer a [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor in the
-    device cache's dtype (layer i's for `device_caches[i]`; block-major, so that a run of
-    consecutive blocks is one contiguous copy), in pinned memory when the device is a GPU.
+    """The blocks of every attention layer in one host tensor, block-major: block b's bytes
+    are `host[b]`, layer i's K/V at a fixed offset in it ([2, block_size, num_kv_heads,
+    head_dim] in the device cache's dtype; `caches[i]`: layer i's view, [num_blocks, 2,
+    block_size, num_kv_heads, head_dim]). Pinned memory when the device is a GPU.
 
-    On a GPU every copy is a DMA on the current stream, and the host never reads or writes
-    these tensors: a swap-out (device -> host) of one step and a swap-in (host -> device) of
-    a later one are ordered by the stream, with no wait on the host, so async scheduling
-    keeps running ahead. On the CPU the copies are plain tensor copies.
+    A copy moves whole blocks, every layer at once: on a GPU, per chunk of blocks, one
+    kernel per layer gathers (scatters) them between the layer caches and a device staging
+    buffer laid out as `host`, and one DMA per run of consecutive CPU block ids moves the
+    chunk (a per-layer, per-run copy was ~2,000 DMAs of 64 KB for one 1,000-token prefix of
+    Llama-3.1-8B: BENCHMARKS.md, issue 19). Every copy is on the current stream, and the host
+    never reads or writes these tensors: a swap-out (device -> host) of one step and a
+    swap-in (host -> device) of a later one are ordered by the stream, with no wait on the
+    host, so async scheduling keeps running ahead. On the CPU the copies are plain tensor
+    copies.
 
     Raises ValueError naming `swap_space` and `kv_offload_gb` when the host cannot allocate it.
     """
@@ -31,21 +41,33 @@ class CpuKVCache:
         self.num_blocks = num_blocks
         self.device = device_caches[0].device if device_caches else torch.device("cpu")
         pin = self.device.type == "cuda"
+        # Layer i's bytes of a block are host[:, offsets[i] : offsets[i] + sizes[i]].
+        self._sizes = [cache[:, 0].numel() * cache.element_size() for cache in device_caches]
+        self._offsets = [sum(self._sizes[:i]) for i in range(len(self._sizes))]
+        # a block of layer i as bytes: [2, block_size, num_kv_heads, head_dim * itemsize]
+        self._shapes = [
+            (cache.shape[0], *cache.shape[2:-1], cache.shape[-1] * cache.element_size())
+            for cache in device_caches
+        ]
+        self.block_bytes = sum(self._sizes)
         try:
-            self.caches = [
-                torch.zeros(
-                    (num_blocks, cache.shape[0], *cache.shape[2:]),
-                    dtype=cache.dtype,
-                    pin_memory=pin,
-                )
-                for cache in device_caches
-            ]
+            self.host = torch.zeros((num_blocks, self.block_bytes), dtype=torch.uint8,
+                                    pin_memory=pin)  # fmt: skip
         except RuntimeError as e:
-            block_bytes = sum(c[:, 0].numel() * c.element_size() for c in device_caches)
             raise ValueError(
-                f"a CPU KV cache of {num_blocks} blocks ({num_blocks * block_bytes / 2**30:.2f} "
-                f"GiB) could not be allocated; lower swap_space or kv_offload_gb: {e}"
+                f"a CPU KV cache of {num_blocks} blocks "
+                f"({num_blocks * self.block_bytes / 2**30:.2f} GiB) could not be allocated; "
+                f"lower swap_space or kv_offload_gb: {e}"
             ) from None
+        self.caches = [
+            self._layer(self.host, i).view(cache.dtype) for i, cache in enumerate(device_caches)
+        ]
+
+    def _layer(self, blocks: torch.Tensor, i: int) -> torch.Tensor:
+        """Layer i's K/V bytes of `blocks` ([n, block_bytes] uint8, laid out as `host`), as
+        [n, 2, block_size, num_kv_heads, head_dim * itemsize] uint8 (a view)."""
+        layer = blocks[:, self._offsets[i] : self._offsets[i] + self._sizes[i]]
+        return layer.view(blocks.shape[0], *self._shapes[i])
 
     @torch.inference_mode()
     def swap(
@@ -57,25 +79,30 @@ class CpuKVCache:
         """Do a step's copies, every swap-out before any swap-in, before the step's forward
         (on the current stream, behind the step before, whose K/V they may take). Each
         destination appears at most once per list (the scheduler's bookkeeping ensures it)."""
-        if blocks_to_swap_out:
-            src = _index([s for s, _ in blocks_to_swap_out], self.device)
-            runs = _runs([d for _, d in blocks_to_swap_out])
-            for cpu_cache, cache in zip(self.caches, device_caches, strict=True):
-                # [n, 2, block_size, heads, head_bytes]: the blocks in list order, contiguous
-                blocks = _bytes(cache).index_select(1, src).transpose(0, 1).contiguous()
-                host = _bytes(cpu_cache)
-                for i, first, length in runs:
-                    host[first : first + length].copy_(blocks[i : i + length], non_blocking=True)
-        if blocks_to_swap_in:
-            dst = _index([d for _, d in blocks_to_swap_in], self.device)
-            runs = _runs([s for s, _ in blocks_to_swap_in])
-            for cpu_cache, cache in zip(self.caches, device_caches, strict=True):
-                host = _bytes(cpu_cache)
-                shape = (len(blocks_to_swap_in), *host.shape[1:])
-                blocks = torch.empty(shape, dtype=torch.uint8, device=self.device)
-                for i, first, length in runs:
-                    blocks[i : i + length].copy_(host[first : first + length], non_blocking=True)
-                _bytes(cache).index_copy_(1, dst, blocks.transpose(0, 1))
+        chunk = max(1, _STAGING_BYTES // max(self.block_bytes, 1))
+        for start in range(0, len(blocks_to_swap_out), chunk):
+            pairs = blocks_to_swap_out[start : start + chunk]
+            src = _index([s for s, _ in pairs], self.device)
+            stage = torch.empty((len(pairs), self.block_bytes), dtype=torch.uint8,
+                                device=self.device)  # fmt: skip
+            for i, cache in enumerate(device_caches):
+                # [2, n, ...] gathered, then [n, 2, ...] into the layer's bytes of each block
+                self._layer(stage, i).copy_(_bytes(cache).index_select(1, src).transpose(0, 1))
+            for first_row, first, length in _runs([d for _, d in pairs]):
+                self.host[first : first + length].copy_(
+                    stage[first_row : first_row + length], non_blocking=True
+                )
+        for start in range(0, len(blocks_to_swap_in), chunk):
+            pairs = blocks_to_swap_in[start : start + chunk]
+            stage = torch.empty((len(pairs), self.block_bytes), dtype=torch.uint8,
+                                device=self.device)  # fmt: skip
+            for first_row, first, length in _runs([s for s, _ in pairs]):
+                stage[first_row : first_row + length].copy_(
+                    self.host[first : first + length], non_blocking=True
+                )
+            dst = _index([d for _, d in pairs], self.device)
+            for i, cache in enumerate(device_caches):
+                _bytes(cache).index_copy_(1, dst, self._layer(stage, i).transpose(0, 1))
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from pagedserve.worker import cpu_kv_cache
 from pagedserve.worker.cpu_kv_cache import CpuKVCache, _runs
 
 
@@ -12,15 +13,26 @@ def test_runs_of_consecutive_ids_are_one_copy_each() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_blocks_go_out_and_come_back_in_other_blocks(dtype: torch.dtype) -> None:
-    """Two layers of [2, 6 blocks, 4 slots, 2 heads, 8] K/V: blocks 1, 2, 5 go to CPU blocks
-    3, 4, 0; then back into device blocks 0, 3, 4, which then hold exactly their bytes (an
-    fp8 cache's too: its scales are per layer, not per block)."""
+@pytest.mark.parametrize("staging_blocks", [None, 1, 2])
+def test_blocks_go_out_and_come_back_in_other_blocks(
+    dtype: torch.dtype, staging_blocks: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layers of [2, 6 blocks, 4 slots, 2 heads (1 in the second), 8] K/V: blocks 1, 2, 5 go
+    to CPU blocks 3, 4, 0; then back into device blocks 0, 3, 4, which then hold exactly
+    their bytes (an fp8 cache's too: its scales are per layer, not per block). Through a
+    staging buffer of all the blocks at once, or of 1 or 2 blocks (chunks)."""
     torch.manual_seed(0)
-    caches = [torch.randn(2, 6, 4, 2, 8).to(dtype) for _ in range(2)]
+    caches = [torch.randn(2, 6, 4, heads, 8).to(dtype) for heads in (2, 1, 2)]
     originals = [c.clone() for c in caches]
     cpu = CpuKVCache(caches, num_blocks=5)
+    if staging_blocks is not None:
+        monkeypatch.setattr(cpu_kv_cache, "_STAGING_BYTES", staging_blocks * cpu.block_bytes)
     cpu.swap(caches, [(1, 3), (2, 4), (5, 0)], [])
+    for cache, cpu_layer in zip(caches, cpu.caches, strict=True):  # the typed views
+        for device_id, cpu_id in ((1, 3), (2, 4), (5, 0)):
+            assert torch.equal(
+                cpu_layer[cpu_id].view(torch.uint8), cache[:, device_id].view(torch.uint8)
+            )
     for cache in caches:
         cache.view(torch.uint8).zero_()
     cpu.swap(caches, [], [(3, 0), (4, 3), (0, 4)])
