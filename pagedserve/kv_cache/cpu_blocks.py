@@ -4,7 +4,8 @@ and the CPU tier of the prefix cache (`kv_offload_gb`: cached blocks evicted fro
 share, and the block copies of the step being scheduled (`BlockCopies`).
 
 CPU block ids 0 .. num_swap_blocks - 1 are swap space, the next num_offload_blocks the CPU tier:
-one tensor per layer on each worker (`worker.cpu_kv_cache.CpuKVCache`) holds both; the engine
+one host tensor on each worker (`worker.cpu_kv_cache.CpuKVCache`, every layer of a block side
+by side) holds both; the engine
 and every worker size them alike (`EngineConfig.cpu_block_counts`). Torch-free.
 
 Ordering (what makes the copies of one step safe): the worker does a step's swap-outs
