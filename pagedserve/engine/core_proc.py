@@ -107,10 +107,11 @@ def unused_imports_hidden(names: tuple[str, ...] = UNUSED_IMPORTS) -> Iterator[N
     which import sklearn: 4.2 s and 1.2 s of the 7.9 s that loading a Llama config took on
     the H200 host (`python -X importtime`), on the critical path of the server's start. (The
     config step then took 6.0 s, not 2.5 s: torch.distributed.tensor, which transformers
-    imports too, loads much of what torch._dynamo had. BENCHMARKS.md, issue 20.) The engine-core process neither processes images with transformers
-    (the API server's process does) nor runs its `generate`, so it loads its config without
-    them. Afterwards they import normally (a model's own code may use them), but the
-    transformers modules loaded meanwhile keep their paths without them."""
+    imports too, loads much of what torch._dynamo had. BENCHMARKS.md, issue 20.) The
+    engine-core process neither processes images with transformers (the API server's process
+    does) nor runs its `generate`, so it loads its config without them. Afterwards they
+    import normally (a model's own code may use them), but the transformers modules loaded
+    meanwhile keep their paths without them."""
     hidden = [name for name in names if name not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # type: ignore[assignment]
