@@ -38,7 +38,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -61,6 +61,9 @@ from pagedserve.messages import (
 )
 from pagedserve.multimodal import MultiModalFeature
 from pagedserve.process_start import process_age_seconds
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +126,21 @@ def unused_imports_hidden(names: tuple[str, ...] = UNUSED_IMPORTS) -> Iterator[N
                 del sys.modules[name]
 
 
+def engine_config(engine_args: dict[str, Any]) -> "EngineConfig":
+    """`EngineArgs(**engine_args)`'s EngineConfig, loaded with `unused_imports_hidden`; again
+    without it where the model folder's own config code (`auto_map`, trust_remote_code)
+    imports one of them, which the API server's process loads too."""
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    try:
+        with unused_imports_hidden():
+            return EngineArgs(**engine_args).create_engine_config()
+    except ImportError as e:
+        if (e.name or "").split(".")[0] not in UNUSED_IMPORTS:
+            raise
+        return EngineArgs(**engine_args).create_engine_config()
+
+
 def run_engine_core(
     engine_args: dict[str, Any],
     input_address: str,
@@ -148,15 +166,13 @@ def run_engine_core(
     if not os.environ.get(envs.CPU_RESERVED):  # unset or empty
         os.environ[envs.CPU_RESERVED] = "1"
     try:
-        from pagedserve.engine.arg_utils import EngineArgs
         from pagedserve.engine.core import EngineCore
 
         age = process_age_seconds()
         if age is not None:  # the process's start: Python, torch and the model code's imports
             logger.info("engine core process up in %.1f s (imports)", age)
         start = time.perf_counter()
-        with unused_imports_hidden():
-            config = EngineArgs(**engine_args).create_engine_config()
+        config = engine_config(engine_args)
         logger.info("engine config in %.1f s", time.perf_counter() - start)
         core = EngineCore(config)
         loop = _CoreLoop(core, input_address, output_address, parent_pid)

@@ -4,6 +4,7 @@
 
 Neither is installed here: stand-in packages record their import in a file."""
 
+import json
 import os
 import subprocess
 import sys
@@ -37,8 +38,9 @@ def _stand_in(root: Path) -> Path:
     return root
 
 
-def _run(code: str, root: Path, marker: Path) -> str:
-    env = dict(os.environ, MARKER=str(marker), PYTHONPATH=f"{root}{os.pathsep}{Path.cwd()}")
+def _run(code: str, root: Path, marker: Path, **env_vars: str) -> str:
+    env = dict(os.environ, MARKER=str(marker), PYTHONPATH=f"{root}{os.pathsep}{Path.cwd()}",
+               **env_vars)  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
@@ -69,3 +71,35 @@ def test_the_config_loads_without_torchvision_and_sklearn_which_import_afterward
     )
     assert out.split() == ["LlamaConfig", "False", "False", "after", "0.99.0"]
     assert hidden.read_text().split() == ["torchvision", "sklearn"]  # the imports after it
+
+
+@pytest.mark.skipif(not MODEL.is_dir(), reason="needs ../shared/models")
+def test_a_model_folders_own_config_code_may_import_them(tmp_path: Path) -> None:
+    """A config of the model folder's own code (`auto_map`, trust_remote_code) that imports
+    torchvision loads in the engine core too (`core_proc.engine_config`: again without the
+    hiding), as it does in the API server's process; with the hiding alone its import failed
+    ("import of torchvision halted; None in sys.modules") and the engine did not start."""
+    root = _stand_in(tmp_path / "site")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for file in MODEL.iterdir():
+        (folder / file.name).symlink_to(file)
+    config = json.loads((MODEL / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_own.OwnConfig"}
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "configuration_own.py").write_text(
+        "import torchvision\nfrom transformers import LlamaConfig\n\n\n"
+        "class OwnConfig(LlamaConfig):\n    pass\n"
+    )
+    marker = tmp_path / "marker"
+    out = _run(
+        "from pagedserve.engine.core_proc import engine_config\n"
+        f"config = engine_config({{'model': {str(folder)!r}, 'trust_remote_code': True}})\n"
+        "print(type(config.model_config.hf_config).__name__)\n",
+        root,
+        marker,
+        HF_MODULES_CACHE=str(tmp_path / "modules"),
+    )
+    assert out.split() == ["OwnConfig"]
+    assert "torchvision" in marker.read_text().split()
