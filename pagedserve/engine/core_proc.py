@@ -113,8 +113,9 @@ def unused_imports_hidden(names: tuple[str, ...] = UNUSED_IMPORTS) -> Iterator[N
     imports too, loads much of what torch._dynamo had. BENCHMARKS.md, issue 20.) The
     engine-core process neither processes images with transformers (the API server's process
     does) nor runs its `generate`, so it loads its config without them. Afterwards they
-    import normally (a model's own code may use them), but the transformers modules loaded
-    meanwhile keep their paths without them."""
+    import normally (a model's own code may use them), but transformers keeps what it saw:
+    the modules it loaded meanwhile take their paths without them, and its cached
+    `is_torchvision_available()` stays False in this process."""
     hidden = [name for name in names if name not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # type: ignore[assignment]
