@@ -4,13 +4,15 @@ vLLM accepts them on /v1/completions and /v1/chat/completions alike:
 - OpenAI's `response_format`: {"type": "text"} (nothing), {"type": "json_object"},
   {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}, and
   vLLM's {"type": "structural_tag", "structures": [...], "triggers": [...]};
-- vLLM's `structured_outputs` extra: a dict of StructuredOutputsParams fields;
+- vLLM's `structured_outputs` extra: a dict of StructuredOutputsParams fields (with options
+  only, such as `disable_any_whitespace`, it sets them on another field's constraint);
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`
   (`guided_whitespace_pattern`, and structured_outputs' `whitespace_pattern`, are 400s:
   xgrammar cannot set JSON's whitespace regex).
 Each constraint is parsed here (xgrammar), so that a bad one is a 400 naming its field.
 """
 
+import dataclasses
 import json
 from typing import Any
 
@@ -43,7 +45,12 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
     response_format = _from_response_format(request.response_format)
     if response_format is not None:
         found.append(("response_format", response_format))
-    if request.structured_outputs is not None:
+    # structured_outputs with options only (disable_any_whitespace, ...) sets them on the
+    # constraint given by another field (response_format, guided_*), as vLLM merges them.
+    options: dict[str, Any] = {}
+    if _only_options(request.structured_outputs):
+        options = request.structured_outputs
+    elif request.structured_outputs is not None:
         found.append(("structured_outputs", _from_dict(request.structured_outputs)))
     for name, kind in _GUIDED_KINDS.items():
         value = getattr(request, name)
@@ -63,10 +70,35 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
             found[1][0],
         )
     if not found:
+        if options:  # options of no constraint: the usual "exactly one of" error
+            _from_dict(options)
         return None
     name, params = found[0]
+    if options:
+        params = _params("structured_outputs", **{**_constraint_fields(params), **options})
     validate_structured_outputs(params, name)
     return params
+
+
+# StructuredOutputsParams' fields that are options of a constraint, not a constraint.
+_OPTION_FIELDS = frozenset(
+    {"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+     "whitespace_pattern"}
+)  # fmt: skip
+
+
+def _only_options(value: Any) -> bool:
+    """`value` is a non-empty dict of option fields only (no constraint)."""
+    return isinstance(value, dict) and bool(value) and set(value) <= _OPTION_FIELDS
+
+
+def _constraint_fields(params: StructuredOutputsParams) -> dict[str, Any]:
+    """The fields of `params` that differ from the defaults (its constraint and options)."""
+    return {
+        field.name: getattr(params, field.name)
+        for field in dataclasses.fields(params)
+        if getattr(params, field.name) != field.default
+    }
 
 
 def _params(field: str, **kwargs: Any) -> StructuredOutputsParams:
