@@ -1,10 +1,10 @@
 """A step's xgrammar calls for all its constrained requests at once: the bitmask fill (on
 xgrammar's C++ threads) and the accept of the sampled tokens (one call).
 
-Both release the GIL while they run. The accept is one call on the calling thread: cut into
-chunks on Python threads it ran slower on the H200 host (4.3-4.6 ms for 256 tokens against
-2.1-2.6 ms in one call, BENCHMARKS.md issue 17), each chunk waiting for the GIL to start and
-to return. What runs both beside the engine thread is `StructuredOutputManager.start_ahead`.
+Both release the GIL inside C++ only: their arguments and results are converted under it.
+So the accept is one call on the calling thread: cut into chunks on Python threads it ran
+slower on the H200 host (4.3 ms for 256 tokens against 1.8 ms in one call), and a grammar
+thread doing both beside the engine thread gained nothing (BENCHMARKS.md, issue 17).
 """
 
 import os
