@@ -43,7 +43,7 @@ def test_swap_on_the_gpu_equals_an_ample_cache(kv_cache_dtype: str) -> None:
     )
     scheduler = llm.llm_engine.scheduler
     assert llm.llm_engine.engine_core.async_scheduling
-    assert llm.llm_engine.engine_core.executor.worker.runner.cpu_kv_cache.caches[0].is_pinned()
+    assert llm.llm_engine.engine_core.executor.worker.runner.cpu_kv_cache.chunks[0].is_pinned()
     assert scheduler.num_swap_outs_total == scheduler.num_preemptions_total > 0
     assert scheduler.num_swap_ins_total == scheduler.num_swap_outs_total
     assert num_equal_but_near_ties(got, expected, 1e-3) >= 6
@@ -86,7 +86,7 @@ def test_copies_are_ordered_by_the_stream_without_host_waits(dtype: str) -> None
     caches = [torch.randn(2, 64, 16, 4, 64, device="cuda").to(getattr(torch, dtype))]
     original = caches[0].clone()
     cpu = CpuKVCache(caches, num_blocks=32)
-    assert cpu.caches[0].is_pinned()
+    assert all(chunk.is_pinned() for chunk in cpu.chunks)
     pairs = [(gpu_id, 31 - k) for k, gpu_id in enumerate(range(0, 64, 2))]  # CPU ids 31..0
     cpu.swap(caches, pairs, [])
     caches[0].view(torch.uint8).fill_(7)
