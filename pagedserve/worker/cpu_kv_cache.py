@@ -134,6 +134,8 @@ def chunk_blocks(num_blocks: int, block_bytes: int) -> list[int]:
     torch's pinned-memory allocator (CachingHostAllocator) rounds every allocation up to a
     power of two bytes, so one tensor of 40 GiB would pin 64 GiB; in these chunks each
     allocation wastes less than a block, and there are about log2(num_blocks) of them."""
+    if block_bytes <= 0:  # no attention layer on this rank: nothing to round
+        return [num_blocks]
     lengths = []
     left = num_blocks
     while left > 0:

@@ -61,6 +61,8 @@ def test_host_chunks_are_powers_of_two_bytes_where_the_blocks_allow() -> None:
     mib = 2**20
     assert chunk_blocks(20480, 2 * mib) == [16384, 4096]  # 40 GiB: 32 + 8 GiB, nothing lost
     assert chunk_blocks(1, 3 * mib) == [1]
+    assert chunk_blocks(7, 0) == [7]  # a rank without attention layers
+    CpuKVCache([], num_blocks=7).swap([], [], [])
     for num_blocks, block_bytes in ((1000, 7 * mib // 4), (37, 3), (1, 1), (64, 64)):
         lengths = chunk_blocks(num_blocks, block_bytes)
         assert sum(lengths) == num_blocks and min(lengths) > 0
