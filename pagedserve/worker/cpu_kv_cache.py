@@ -10,10 +10,11 @@ it is.
 """
 
 import bisect
+import itertools
 
 import torch
 
-# Most device memory a swap's staging buffer takes (bytes): copies go through it in chunks of
+# Most device memory a swap's staging buffer takes (bytes): copies go through it in groups of
 # blocks, all layers of a block side by side.
 _STAGING_BYTES = 64 * 2**20
 
@@ -54,13 +55,13 @@ class CpuKVCache:
         self.block_bytes = sum(self._sizes)
         # Chunks of blocks whose sizes are powers of two bytes where the blocks allow
         # (`chunk_blocks`): torch's pinned-memory allocator rounds each allocation up to one.
-        self.chunks: list[torch.Tensor] = []
-        self._chunk_first: list[int] = []  # the first block id of each chunk
+        lengths = chunk_blocks(num_blocks, self.block_bytes)
+        self._chunk_first = [0, *itertools.accumulate(lengths)][:-1]  # each chunk's first id
         try:
-            for length in chunk_blocks(num_blocks, self.block_bytes):
-                self._chunk_first.append(sum(len(chunk) for chunk in self.chunks))
-                self.chunks.append(torch.zeros((length, self.block_bytes), dtype=torch.uint8,
-                                               pin_memory=pin))  # fmt: skip
+            self.chunks = [
+                torch.zeros((length, self.block_bytes), dtype=torch.uint8, pin_memory=pin)
+                for length in lengths
+            ]
         except RuntimeError as e:
             raise ValueError(
                 f"a CPU KV cache of {num_blocks} blocks "
@@ -105,9 +106,9 @@ class CpuKVCache:
         """Do a step's copies, every swap-out before any swap-in, before the step's forward
         (on the current stream, behind the step before, whose K/V they may take). Each
         destination appears at most once per list (the scheduler's bookkeeping ensures it)."""
-        chunk = max(1, _STAGING_BYTES // max(self.block_bytes, 1))
-        for start in range(0, len(blocks_to_swap_out), chunk):
-            pairs = blocks_to_swap_out[start : start + chunk]
+        group = max(1, _STAGING_BYTES // max(self.block_bytes, 1))
+        for start in range(0, len(blocks_to_swap_out), group):
+            pairs = blocks_to_swap_out[start : start + group]
             src = _index([s for s, _ in pairs], self.device)
             stage = torch.empty((len(pairs), self.block_bytes), dtype=torch.uint8,
                                 device=self.device)  # fmt: skip
@@ -116,8 +117,8 @@ class CpuKVCache:
                 self._layer(stage, i).copy_(_bytes(cache).index_select(1, src).transpose(0, 1))
             for first_row, host in self._host_runs([d for _, d in pairs]):
                 host.copy_(stage[first_row : first_row + len(host)], non_blocking=True)
-        for start in range(0, len(blocks_to_swap_in), chunk):
-            pairs = blocks_to_swap_in[start : start + chunk]
+        for start in range(0, len(blocks_to_swap_in), group):
+            pairs = blocks_to_swap_in[start : start + group]
             stage = torch.empty((len(pairs), self.block_bytes), dtype=torch.uint8,
                                 device=self.device)  # fmt: skip
             for first_row, host in self._host_runs([s for s, _ in pairs]):

@@ -46,7 +46,8 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
     if response_format is not None:
         found.append(("response_format", response_format))
     # structured_outputs with options only (disable_any_whitespace, ...) sets them on the
-    # constraint given by another field (response_format, guided_*), as vLLM merges them.
+    # constraint given by another field (response_format, guided_*); vLLM never 400s here
+    # (some of its versions keep such options, the newest drop them).
     options: dict[str, Any] = {}
     if _only_options(request.structured_outputs):
         options = request.structured_outputs
@@ -75,7 +76,10 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
         return None
     name, params = found[0]
     if options:
-        params = _params("structured_outputs", **{**_constraint_fields(params), **options})
+        try:
+            params = dataclasses.replace(params, **options)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e), "structured_outputs") from None
     validate_structured_outputs(params, name)
     return params
 
@@ -90,15 +94,6 @@ _OPTION_FIELDS = frozenset(
 def _only_options(value: Any) -> bool:
     """`value` is a non-empty dict of option fields only (no constraint)."""
     return isinstance(value, dict) and bool(value) and set(value) <= _OPTION_FIELDS
-
-
-def _constraint_fields(params: StructuredOutputsParams) -> dict[str, Any]:
-    """The fields of `params` that differ from the defaults (its constraint and options)."""
-    return {
-        field.name: getattr(params, field.name)
-        for field in dataclasses.fields(params)
-        if getattr(params, field.name) != field.default
-    }
 
 
 def _params(field: str, **kwargs: Any) -> StructuredOutputsParams:

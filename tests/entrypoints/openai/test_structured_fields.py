@@ -1,5 +1,5 @@
 """`structured_outputs` with options only (`disable_any_whitespace`, ...) next to another
-constraint field sets the options on that constraint, as vLLM merges them; alone, or with a
+constraint field sets the options on that constraint (vLLM never 400s there); alone, or with a
 constraint of its own next to another, it is a 400 naming the field."""
 
 from typing import Any
