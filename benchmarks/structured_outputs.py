@@ -86,8 +86,9 @@ class PhaseClock:
     by wrapping the engine's methods with step_profile.py's StepClock (no device syncs added:
     the wait for the device shows in `wait_result`). Nested phases overlap: `finish_in_flight`
     holds `wait_result` and `update_from_output`, which holds `accept_tokens`;
-    `deferred_fill` holds `fill`; `sample_tokens` holds `apply_bitmask` (the host's part of
-    the mask's apply, with the executor in this process)."""
+    `deferred_fill` holds `fill` (or, with the grammar process, `wait_fill`); `sample_tokens`
+    holds `apply_bitmask` (the host's part of the mask's apply, with the executor in this
+    process)."""
 
     def __init__(self, llm: Any) -> None:
         import pagedserve.worker.model_runner as model_runner
@@ -108,6 +109,8 @@ class PhaseClock:
             ("accept_tokens", manager, "accept_tokens"),
             ("deferred_fill", core.scheduler, "deferred_grammar_output"),
             ("fill", manager, "grammar_bitmask"),
+            ("wait_fill", manager, "prefetched_output"),  # the grammar process's fill
+            ("send_tokens", manager, "send_step_tokens"),
             ("sample_tokens", core.executor, "sample_tokens"),
             ("apply_bitmask", model_runner, "apply_grammar_bitmask"),
             ("process_outputs", llm.llm_engine.output_processor, "process_outputs"),

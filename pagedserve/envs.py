@@ -131,3 +131,17 @@ def _positive_int(name: str, default: int) -> int:
     if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {raw!r}")
     return value
+
+
+GRAMMAR_PROCESS = "PAGEDSERVE_GRAMMAR_PROCESS"
+
+
+def grammar_process() -> bool:
+    """PAGEDSERVE_GRAMMAR_PROCESS: "1" (default) runs structured outputs' grammar matchers in
+    a process of their own where the engine fills bitmasks while the device runs the forward
+    (async scheduling on a GPU, one rank in the engine's process); "0" keeps them in the
+    engine thread. Raises ValueError for another value."""
+    raw = os.environ.get(GRAMMAR_PROCESS) or "1"  # empty: unset
+    if raw not in ("0", "1"):
+        raise ValueError(f"{GRAMMAR_PROCESS} must be 0 or 1, got {raw!r}")
+    return raw == "1"

@@ -199,6 +199,17 @@ class Scheduler:
             scheduled.sample and request.use_structured_output
             for (request, _, _), scheduled in zip(plan.scheduled, scheduled_requests, strict=True)
         )
+        manager = self.structured_output_manager
+        if deferred and manager is not None and manager.uses_process:
+            # the grammar process fills these rows once the step in flight's tokens are in
+            sampling = [
+                request
+                for (request, _, _), item in zip(plan.scheduled, scheduled_requests, strict=True)
+                if item.sample
+            ]
+            manager.prefetch_fill(
+                [r for r in sampling if manager.should_fill_bitmask(r)], len(sampling)
+            )
         copies = self.kv_cache.take_block_copies()
         output = SchedulerOutput(
             plan.new_requests,
@@ -238,7 +249,17 @@ class Scheduler:
                 if self.requests.get(item.request_id) is request and not request.is_finished:
                     requests.append(request)
                     items.append(item)
-        return grammar_output(self.structured_output_manager, requests, items)
+        manager = self.structured_output_manager
+        if manager is not None and manager.uses_process:
+            rows = manager.prefetched_output(
+                [
+                    request
+                    for request, item in zip(requests, items, strict=True)
+                    if item.sample and manager.should_fill_bitmask(request)
+                ]
+            )
+            return None if rows is None else GrammarOutput(*rows)
+        return grammar_output(manager, requests, items)
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         """Outputs of requests finished outside a step (their grammar failed to compile)."""

@@ -124,6 +124,8 @@ class DeviceEvent(Protocol):
 
     def synchronize(self) -> None: ...
 
+    def query(self) -> bool: ...
+
 
 class AsyncModelRunnerOutput:
     """A step's ModelRunnerOutput, which may still be on its way from the device.
@@ -141,6 +143,10 @@ class AsyncModelRunnerOutput:
         self._output = output
         self._build = build
         self._ready = ready
+
+    def done(self) -> bool:
+        """Whether `result()` would not wait for the device."""
+        return self._output is not None or self._ready is None or self._ready.query()
 
     def result(self) -> ModelRunnerOutput:
         if self._output is None:

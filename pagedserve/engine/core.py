@@ -4,12 +4,14 @@ It sees only token ids. Tokenizing, detokenizing and stop strings happen in the 
 (`LLMEngine` in-process, or the API server's process talking to it over IPC).
 """
 
+import functools
 import gc
 import logging
 import time
 from collections import deque
 from typing import Any
 
+from pagedserve import envs
 from pagedserve.config import EngineConfig, cuda_index
 from pagedserve.executor.factory import create_executor
 from pagedserve.kv_cache.manager import KVCacheManager, check_fits_cache, max_blocks_held
@@ -111,9 +113,14 @@ class EngineCore:
             self.executor, "supports_deferred_grammar", False
         )
         if self.scheduler.defer_grammar:
-            allocate = self.executor.bitmask_allocator()  # type: ignore[attr-defined]
-            if allocate is not None:
-                self.structured_output_manager.use_bitmask_buffers(allocate)
+            if envs.grammar_process():
+                self.structured_output_manager.use_grammar_process(
+                    self.executor.host_array_pinning()  # type: ignore[attr-defined]
+                )
+            else:
+                allocate = self.executor.bitmask_allocator()  # type: ignore[attr-defined]
+                if allocate is not None:
+                    self.structured_output_manager.use_bitmask_buffers(allocate)
         # The roofline cost (bytes, FLOPs), token count and device seconds of the forwards
         # whose tokens the last `step()` applied, one rank's; and the device's name (None: a
         # CPU) for its peaks.
@@ -215,6 +222,7 @@ class EngineCore:
         outputs = self.scheduler.take_pending_outputs()
         if self._in_flight is not None and not self.scheduler.can_schedule_ahead:
             outputs += self._finish_in_flight()  # (not `=`: that dropped the pending ones)
+        self._send_grammar_tokens(wait=False)
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if scheduler_output.finished_request_ids:  # let workers drop finished state
@@ -228,6 +236,7 @@ class EngineCore:
             launch_seconds = time.perf_counter() - started
             outputs += self._finish_in_flight()
         else:
+            self._send_grammar_tokens(wait=False)  # a second chance, before the launch
             pending = self.executor.launch_forward(scheduler_output)  # type: ignore[attr-defined]
             launch_seconds = time.perf_counter() - started
             outputs += self._finish_in_flight()  # the tokens the bitmask depends on
@@ -246,6 +255,7 @@ class EngineCore:
         """Wait for the step in flight and apply its tokens."""
         if self._in_flight is None:
             return []
+        self._send_grammar_tokens(wait=True)
         scheduler_output, launched = self._in_flight
         self._in_flight = None
         started = time.perf_counter()
@@ -253,6 +263,19 @@ class EngineCore:
         host_seconds = self._launch_seconds + time.perf_counter() - started
         self._add_step_cost(scheduler_output, runner_output, host_seconds)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _send_grammar_tokens(self, wait: bool) -> None:
+        """With the grammar process: send it the sampled tokens of the step in flight as soon
+        as they are on the host (without waiting for the device unless `wait`), so that it
+        accepts them and fills the next step's rows while this thread schedules and
+        launches (StructuredOutputManager.send_step_tokens)."""
+        manager = self.structured_output_manager
+        if self._in_flight is None or not manager.awaiting_tokens:
+            return
+        launched = self._in_flight[1]
+        if wait or launched.done():
+            output = launched.result()
+            manager.send_step_tokens(output.request_ids, output.sampled_token_ids)
 
     def _step_batch_queue(self) -> list[EngineCoreOutput]:
         """Pipeline parallelism's step (vLLM's step_with_batch_queue): submit a step while
@@ -340,22 +363,23 @@ def _structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
     """The grammar engine of structured outputs. It loads the tokenizer (in its compile
     thread) only when the first constrained request arrives."""
     model_config = config.model_config
-
-    def load() -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(
-            model_config.tokenizer,
-            local_files_only=True,
-            trust_remote_code=model_config.trust_remote_code,
-        )
-
+    # picklable: the grammar process loads it too
+    load = functools.partial(load_tokenizer, model_config.tokenizer, model_config.trust_remote_code)
     return StructuredOutputManager(
         load,
         int(model_config.hf_text_config.vocab_size),
         list(model_config.eos_token_ids),
         config.structured_outputs_config.reasoning_parser,
         disable_any_whitespace=config.structured_outputs_config.disable_any_whitespace,
+    )
+
+
+def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
+    """The model's Hugging Face tokenizer from its local folder (the grammar engine's)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        path, local_files_only=True, trust_remote_code=trust_remote_code
     )
 
 

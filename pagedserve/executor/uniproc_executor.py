@@ -71,6 +71,18 @@ class UniprocExecutor:
 
         return pinned_host_bitmask
 
+    def host_array_pinning(
+        self,
+    ) -> tuple[Callable[[np.ndarray], None], Callable[[np.ndarray], None]] | None:
+        """How to page-lock (and unlock) a host array that the grammar process fills, so that
+        the device copies from it with no staging copy: cudaHostRegister on a GPU; None
+        elsewhere."""
+        if self.worker.device.type != "cuda":
+            return None
+        from pagedserve.worker.grammar_bitmask import pin_host_array, unpin_host_array
+
+        return pin_host_array, unpin_host_array
+
     def sample_tokens(self, pending: Any, grammar: GrammarOutput | None) -> AsyncModelRunnerOutput:
         """Sample the launched forward `pending` with the step's bitmask."""
         return self.worker.sample_tokens(pending, grammar)

@@ -16,6 +16,11 @@ The scheduler owns one. Its life with a request:
 With a reasoning parser (`StructuredOutputsConfig.reasoning_parser`), the mask applies only
 once `is_reasoning_end` holds: the thinking is free text, the answer is constrained. No torch
 here: the bitmask is a numpy array, which xgrammar fills directly.
+
+`use_grammar_process` moves the compiles and the matchers into a process of their own
+(grammar_process.py, remote_matchers.py); the engine's deferred path then sends each step's
+tokens early (`send_step_tokens`) and asks for the next step's rows when they are scheduled
+(`prefetch_fill`), so that the accept and the fill overlap the engine thread's own work.
 """
 
 import dataclasses
@@ -39,6 +44,7 @@ from pagedserve.structured_output.backend_xgrammar import (
     constraint_key,
 )
 from pagedserve.structured_output.batch_matcher import BatchMatcher
+from pagedserve.structured_output.remote_matchers import Pinning, RemoteGrammar, RemoteMatchers
 from pagedserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -113,6 +119,7 @@ class StructuredOutputManager:
         self._allocate: Callable[[tuple[int, int]], np.ndarray] | None = None
         self._buffers: list[np.ndarray] = []
         self._turn = 0
+        self._remote: RemoteMatchers | None = None  # use_grammar_process
 
     def use_bitmask_buffers(self, allocate: Callable[[tuple[int, int]], np.ndarray]) -> None:
         """Fill each step's bitmask into one of two buffers made by `allocate(shape)` (int32,
@@ -122,6 +129,18 @@ class StructuredOutputManager:
         bitmask before the step after next fills (the engine's in-process deferred path is:
         a step's mask is on its way to the device before the next step's fill starts)."""
         self._allocate = allocate
+
+    def use_grammar_process(self, pin: Pinning | None) -> None:
+        """Compile and match in a grammar process (module docstring); `pin` page-locks and
+        unlocks its bitmask buffers for the device's copies (None on a CPU). The tokenizer
+        loader must be picklable. Call before the first request."""
+        self._remote = RemoteMatchers(
+            self._load_tokenizer, self.vocab_size, self.stop_token_ids, pin
+        )
+
+    @property
+    def uses_process(self) -> bool:
+        return self._remote is not None
 
     # -- compiling ------------------------------------------------------------------------
 
@@ -139,17 +158,31 @@ class StructuredOutputManager:
                 self._cache.move_to_end(key)
                 self._num_hits += 1
             else:
-                future = self._executor.submit(self._compile, params)
+                future = self._executor.submit(self._compile, params, key)
                 self._cache[key] = future
                 self._num_misses += 1
                 while len(self._cache) > _CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                    evicted, _ = self._cache.popitem(last=False)
+                    if self._remote is not None:
+                        self._remote.forget(evicted)
         request.structured_output = StructuredOutputRequest(params, future)
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
-        backend = self._get_backend()
+    def _compile(self, params: StructuredOutputsParams, key: str) -> Any:
+        """The compiled grammar (in the grammar process: its key there, once compiled)."""
         start = time.perf_counter()
-        compiled = backend.compile(params)
+        if self._remote is not None:
+            with self._lock:
+                self._remote.start()
+            self._remote.compile(key, params)  # RuntimeError: xgrammar's error
+            compiled: Any = key
+            if self.reasoning_parser is not None:
+                with self._lock:
+                    if self._reasoner is None:
+                        self._reasoner = get_reasoning_parser(
+                            self.reasoning_parser, self._load_tokenizer()
+                        )
+        else:
+            compiled = self._get_backend().compile(params)
         elapsed = time.perf_counter() - start
         with self._lock:
             self._compile_seconds += elapsed
@@ -178,8 +211,11 @@ class StructuredOutputManager:
             logger.exception("compiling the grammar of request %s failed", request.request_id)
             state.failed = True
             return True
-        assert self._backend is not None
-        state.grammar = self._backend.new_matcher(compiled)
+        if self._remote is not None:
+            state.grammar = self._remote.add(compiled)
+        else:
+            assert self._backend is not None
+            state.grammar = self._backend.new_matcher(compiled)
         if self._reasoner is not None:
             # The chat template may close the thinking in the prompt (Qwen3 with
             # enable_thinking=False), as vLLM checks the prompt first.
@@ -208,6 +244,8 @@ class StructuredOutputManager:
         One xgrammar call fills every row (`BatchMatcher.fill`, on its C++ threads); the
         row of a terminated grammar allows every token."""
         num_rows = len(requests)
+        if self._remote is not None:
+            return self._remote.fill(_rows(requests))
         if self._allocate is not None:
             self._turn ^= 1
             while len(self._buffers) <= self._turn:
@@ -247,6 +285,8 @@ class StructuredOutputManager:
         The grammars past their reasoning advance together (`BatchMatcher.accept`): this runs
         between a step's result and the next step's bitmask, on the critical path of every
         constrained step."""
+        if self._remote is not None:
+            return self._accept_remote(sampled)
         batch: list[Request] = []
         terminated: set[str] = set()
         for request, token_id, _ in sampled:
@@ -317,15 +357,72 @@ class StructuredOutputManager:
         if state is None or state.grammar is None or not state.reasoning_ended:
             return
         kept = request.num_output_tokens - state.num_output_tokens_before
+        if isinstance(state.grammar, RemoteGrammar):
+            assert self._remote is not None
+            self._remote.rollback(state.grammar, kept)
+            return
         excess = state.grammar.num_processed_tokens - kept
         if excess > 0:
             state.grammar.rollback(excess)
 
     def free_request(self, request: Request) -> None:
+        state = request.structured_output
+        if state is not None and isinstance(state.grammar, RemoteGrammar):
+            assert self._remote is not None
+            self._remote.free(state.grammar)
         request.structured_output = None
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._remote is not None:
+            self._remote.shutdown()
+
+    # The grammar process's step (use_grammar_process; remote_matchers.py says how it goes).
+
+    def prefetch_fill(self, requests: list[Request], capacity: int) -> None:
+        """Ask the grammar process for the bitmask rows of `requests` (each
+        `should_fill_bitmask`) when their deferred step is scheduled; `capacity`: the rows
+        the step may end up with (its sampling requests)."""
+        if self._remote is not None:
+            self._remote.prefetch(_rows(requests), capacity)
+
+    def prefetched_output(self, requests: list[Request]) -> tuple[list[str], np.ndarray] | None:
+        """The deferred step's rows when it samples: the prefetched ones, and those of
+        `requests` (each `should_fill_bitmask` now) they lack. (request ids, bitmask
+        [rows, words]); None: no rows."""
+        assert self._remote is not None
+        return self._remote.prefetched(_rows(requests))
+
+    @property
+    def awaiting_tokens(self) -> bool:
+        """Sampled tokens of a handed-out fill are to be sent (`send_step_tokens`)."""
+        return self._remote is not None and self._remote.awaiting_tokens
+
+    def send_step_tokens(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        """Send the grammar process a step's sampled tokens (its ModelRunnerOutput's ids and
+        tokens) before the scheduler applies them; `accept_tokens` then sends them not again."""
+        if self._remote is not None:
+            self._remote.send_step_tokens(request_ids, token_ids)
+
+    def _accept_remote(self, sampled: Sequence[tuple[Request, int, Any]]) -> set[str]:
+        """`accept_tokens` with the grammar process (RemoteMatchers.accept); the thinking's
+        tokens are checked here for its end."""
+        assert self._remote is not None
+        batch = []
+        for request, token_id, _ in sampled:
+            state = request.structured_output
+            if state is None or state.grammar is None:
+                continue
+            if state.reasoning_ended:
+                batch.append((request.request_id, state.grammar, token_id))
+            else:
+                self.accept_token(request, token_id)
+        return self._remote.accept(batch)
+
+
+def _rows(requests: list[Request]) -> list[tuple[str, int]]:
+    """(request id, grammar slot) of requests with RemoteGrammars."""
+    return [(r.request_id, r.structured_output.grammar.slot) for r in requests]
 
 
 def _width(manager: StructuredOutputManager) -> int:

@@ -105,6 +105,22 @@ def pinned_host_bitmask(shape: tuple[int, int]) -> np.ndarray:
         return torch.empty(shape, dtype=torch.int32, pin_memory=True).numpy()
 
 
+def pin_host_array(array: np.ndarray) -> None:
+    """Page-lock `array`'s memory in place (cudaHostRegister; e.g. shared memory the grammar
+    process fills): a tensor over it is then pinned, and its copies to the GPU need no
+    staging copy. Raises RuntimeError with CUDA's error code if registering fails."""
+    code = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+        array.ctypes.data, array.nbytes, 0
+    )
+    if int(code) != 0:
+        raise RuntimeError(f"cudaHostRegister of {array.nbytes} bytes failed: error {int(code)}")
+
+
+def unpin_host_array(array: np.ndarray) -> None:
+    """Undo `pin_host_array` (after the device's last copy from it)."""
+    torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)  # type: ignore[no-untyped-call]
+
+
 def _to_device(
     bitmask: torch.Tensor,  # [num_rows, num_words] int32, host
     rows: list[int],  # [num_rows]

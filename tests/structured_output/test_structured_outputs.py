@@ -260,11 +260,11 @@ def test_engine_waits_for_a_compile_instead_of_spinning(
         compile_once = manager._compile
         window: list[float] = []  # when the compile started and ended
 
-        def slow_compile(params: Any) -> Any:
+        def slow_compile(params: Any, key: str) -> Any:
             window.append(time.monotonic())
             time.sleep(0.3)
             try:
-                return compile_once(params)
+                return compile_once(params, key)
             finally:
                 window.append(time.monotonic())
 

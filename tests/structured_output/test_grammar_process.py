@@ -1,0 +1,146 @@
+"""The grammar process (`use_grammar_process`) against the in-process matchers: step by step
+the same masks, terminations and rollbacks, with the tokens sent late (through
+`accept_tokens`) or early (`send_step_tokens`, before a preemption as the engine's deferred
+step does); a prefetch waits for the tokens before it; a dead process fails the step."""
+
+import functools
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pagedserve import SamplingParams
+from pagedserve.engine.core import load_tokenizer
+from pagedserve.request import Request
+from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.structured_output.manager import StructuredOutputManager
+
+from .conftest import QWEN3_VOCAB_SIZE, TOKENIZER_DIR
+from .test_batched import SCHEMA
+
+CONSTRAINTS: list[dict[str, Any]] = [
+    {"json": SCHEMA, "disable_any_whitespace": True},
+    {"regex": r"[a-c]{2,6}\d"},
+    {"choice": ["yes", "no", "maybe"]},
+    {"grammar": 'root ::= "(" [0-9]+ ")"'},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(str(TOKENIZER_DIR), False)
+
+
+def _managers(tokenizer: Any) -> tuple[StructuredOutputManager, StructuredOutputManager]:
+    eos = [tokenizer.eos_token_id]
+    local = StructuredOutputManager(lambda: tokenizer, QWEN3_VOCAB_SIZE, eos)
+    remote = StructuredOutputManager(
+        functools.partial(load_tokenizer, str(TOKENIZER_DIR), False), QWEN3_VOCAB_SIZE, eos
+    )
+    remote.use_grammar_process(None)
+    return local, remote
+
+
+def _ready(manager: StructuredOutputManager, index: int) -> Request:
+    constraint = CONSTRAINTS[index % len(CONSTRAINTS)]
+    params = SamplingParams(max_tokens=64, structured_outputs=StructuredOutputsParams(**constraint))
+    request = Request(f"r{index}", [1, 2], params)
+    manager.init_request(request)
+    request.structured_output.compiled.result(timeout=120)  # type: ignore[union-attr]
+    assert manager.is_ready(request)
+    return request
+
+
+def _allowed(row: np.ndarray) -> np.ndarray:
+    """Token ids whose bits are set in one bitmask row."""
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:QWEN3_VOCAB_SIZE])
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_the_process_matches_in_process_matchers_step_by_step(tokenizer: Any, early: bool) -> None:
+    """Random walks under the masks (with an occasional rollback of the last token, as a
+    preemption that drops it would) give the same masks and terminations both ways. With
+    `early`, each step's tokens go to the process before the scheduler applies them and
+    before a preemption in between, as in the engine's deferred step."""
+    local, remote = _managers(tokenizer)
+    rng = np.random.default_rng(0)
+    try:
+        pairs = [(_ready(local, i), _ready(remote, i)) for i in range(8)]
+        for step in range(40):
+            live = [(a, b) for a, b in pairs if a.structured_output is not None]
+            if not live:
+                break
+            if step % 7 == 3:  # a preemption that drops the last token (rolled back)
+                for a, b in live:
+                    if a.num_output_tokens:
+                        del a.all_token_ids[-1]
+                        del b.all_token_ids[-1]
+                        local.sync_after_preemption(a)
+                        remote.sync_after_preemption(b)
+            mask = local.grammar_bitmask([a for a, _ in live])
+            np.testing.assert_array_equal(mask, remote.grammar_bitmask([b for _, b in live]))
+            tokens = []
+            for row in range(len(live)):
+                allowed = _allowed(mask[row])
+                eos = tokenizer.eos_token_id
+                # end soon where the grammar may end, else a random allowed token
+                tokens.append(eos if eos in allowed and rng.random() < 0.3 else rng.choice(allowed))
+            if early:
+                remote.send_step_tokens([b.request_id for _, b in live], tokens)
+                # a preemption that keeps every token, while the tokens are on their way:
+                # nothing to roll back (the token sent counts as kept)
+                for a, b in live:
+                    local.sync_after_preemption(a)
+                    remote.sync_after_preemption(b)
+            applied = []
+            for (a, b), token in zip(live, tokens, strict=True):
+                a.append_output_token_ids([int(token)])
+                b.append_output_token_ids([int(token)])
+                applied.append(((a, int(token), None), (b, int(token), None)))
+            ended_local = local.accept_tokens([x for x, _ in applied])
+            ended_remote = remote.accept_tokens([y for _, y in applied])
+            assert ended_local == ended_remote
+            for a, b in live:
+                if a.request_id in ended_local:
+                    local.free_request(a)
+                    remote.free_request(b)
+        assert any(a.structured_output is None for a, _ in pairs)  # some terminated
+    finally:
+        local.shutdown()
+        remote.shutdown()
+
+
+def test_a_prefetch_waits_for_the_tokens_before_it(tokenizer: Any) -> None:
+    """Rows asked for while the last fill's tokens are unsent are filled after them: the
+    prefetched mask is the one after those tokens."""
+    local, remote = _managers(tokenizer)
+    try:
+        a, b = _ready(local, 1), _ready(remote, 1)  # [a-c]{2,6}\\d
+        remote.grammar_bitmask([b])  # handed out: its token is awaited
+        remote.prefetch_fill([b], 1)  # not sent yet
+        [token] = tokenizer.encode("ab", add_special_tokens=False)  # now a digit may end it
+        remote.send_step_tokens([b.request_id], [token])  # then the prefetch
+        rows = remote.prefetched_output([b])
+        assert rows is not None and rows[0] == [b.request_id]
+        a.append_output_token_ids([token])
+        local.accept_tokens([(a, token, None)])
+        np.testing.assert_array_equal(rows[1], local.grammar_bitmask([a]))
+        assert not np.array_equal(rows[1], local.grammar_bitmask([_ready(local, 5)]))
+    finally:
+        local.shutdown()
+        remote.shutdown()
+
+
+def test_a_dead_grammar_process_fails_the_step(tokenizer: Any) -> None:
+    """The engine gets a RuntimeError (it does not wait forever) once the process is gone."""
+    _, remote = _managers(tokenizer)
+    try:
+        request = _ready(remote, 0)
+        process = remote._remote._process  # type: ignore[union-attr]
+        process._process.kill()  # type: ignore[union-attr]
+        process._process.wait()  # type: ignore[union-attr]
+        with pytest.raises(RuntimeError, match="grammar process exited"):
+            remote.grammar_bitmask([request])
+    finally:
+        remote.shutdown()
