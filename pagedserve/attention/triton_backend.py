@@ -5,6 +5,7 @@ Importing this module imports Triton, so it raises ImportError where Triton is m
 """
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,10 @@ class AttentionPlan:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+# A/B switch of the fp8 cache's fp16 dots (paged_attention.py), for benchmarks.
+_F16_DOTS = os.environ.get("PAGEDSERVE_FP8_KV_F16_DOTS", "1") == "1"
 
 
 def _head_dim_pad(head_dim: int) -> int:
@@ -206,6 +211,7 @@ def paged_attention(
         query_ptr=query, kv_cache_ptr=kv_cache, block_tables_ptr=md.block_tables,
         k_scale_ptr=k_scale if scaled else md.seq_lens,
         v_scale_ptr=v_scale if scaled else md.seq_lens, KV_SCALED=scaled,
+        F16_DOTS=is_fp8(kv_cache.dtype) and query.dtype == torch.bfloat16 and _F16_DOTS,
         seq_lens_ptr=md.seq_lens, query_start_loc_ptr=md.query_start_loc, num_reqs=md.num_reqs,
         qk_scale=scale * _LOG2E,
         stride_q_token=query.stride(0), stride_q_head=query.stride(1),

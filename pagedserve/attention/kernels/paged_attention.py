@@ -30,7 +30,11 @@ c * tanh(s / c) before the mask and softmax; the kernel works in base 2, where t
 same map with cap c * log2(e), which is what SOFT_CAP holds.
 
 FP8 KV cache. K and V tiles are loaded in the cache's dtype and upcast to the query's dtype
-before each `tl.dot` (exact: every e4m3/e5m2 value is a bf16 and an fp16 value). The
+before each `tl.dot` (exact: every e4m3/e5m2 value is a bf16 and an fp16 value). With bf16
+queries the dots run in fp16 instead (F16_DOTS): the GPU turns two e4m3 values into two fp16
+values in one instruction, while e4m3 -> bf16 takes several, which made an fp8 cache slower
+to read than a bf16 one; fp16 holds every bf16 query value to 7 bits of mantissa and more
+(|q| is clamped to fp16's 65504; smaller than 6e-8 it rounds towards 0), and p in [0, 1]. The
 per-tensor scales are not applied per element: k_scale multiplies the score scale (q . k is
 linear in k) and v_scale the accumulated output (linear in v), both loaded from device tensors
 inside the kernel so that a captured CUDA graph reads their current values.
@@ -186,6 +190,7 @@ def paged_attention_kernel(
     SPLIT_KV: tl.constexpr,  # write partial (acc, max, sum) per split instead of the output
     DOT_PRECISION: tl.constexpr,
     KV_SCALED: tl.constexpr,  # the cache holds K / k_scale and V / v_scale (fp8)
+    F16_DOTS: tl.constexpr = False,  # fp8 cache, bf16 queries: the dots in fp16 (docstring)
     SLIDING_WINDOW: tl.constexpr = 0,  # 0: none; else a token at p sees keys > p - W only
     SOFT_CAP: tl.constexpr = 0.0,  # 0.0: none; else the logit soft cap times log2(e)
 ):
@@ -227,6 +232,8 @@ def paged_attention_kernel(
     io_mask = row_valid[:, None] & d_valid[None, :]
     q_offsets = token[:, None] * stride_q_token + head[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(query_ptr + q_offsets, mask=io_mask, other=0.0)
+    if F16_DOTS:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Keys this q block sees: up to its last token's position. Keys below its first token's
     # position + 1 are visible to every row, so whole tiles of them need no mask.
