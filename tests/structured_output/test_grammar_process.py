@@ -13,6 +13,7 @@ from pagedserve import SamplingParams
 from pagedserve.engine.core import load_tokenizer
 from pagedserve.request import Request
 from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.structured_output import manager as manager_module
 from pagedserve.structured_output.manager import StructuredOutputManager
 
 from .conftest import QWEN3_VOCAB_SIZE, TOKENIZER_DIR
@@ -142,5 +143,67 @@ def test_a_dead_grammar_process_fails_the_step(tokenizer: Any) -> None:
         process._process.wait()  # type: ignore[union-attr]
         with pytest.raises(RuntimeError, match="grammar process exited"):
             remote.grammar_bitmask([request])
+    finally:
+        remote.shutdown()
+
+
+def test_an_evicted_grammar_still_makes_the_matchers_of_waiting_requests(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose grammar was compiled but whose matcher is not made yet (it waits in the
+    queue) must still get one after its key leaves the compile cache: in process the cache's
+    future keeps the compiled grammar; the process must not drop it while a request needs it
+    (it died of a KeyError on "add", failing every request)."""
+    monkeypatch.setattr(manager_module, "_CACHE_SIZE", 1)
+    local, remote = _managers(tokenizer)
+    try:
+        pairs = []
+        for index in (1, 2):  # the second evicts the first's key from the cache of one
+            for manager in (local, remote):
+                params = SamplingParams(
+                    max_tokens=8,
+                    structured_outputs=StructuredOutputsParams(**CONSTRAINTS[index]),
+                )
+                request = Request(f"r{index}", [1, 2], params)
+                manager.init_request(request)
+                request.structured_output.compiled.result(timeout=120)  # type: ignore[union-attr]
+                pairs.append(request)
+        a, b = pairs[0], pairs[1]  # r1 of each manager, made ready only now
+        assert local.is_ready(a) and remote.is_ready(b)
+        np.testing.assert_array_equal(local.grammar_bitmask([a]), remote.grammar_bitmask([b]))
+    finally:
+        local.shutdown()
+        remote.shutdown()
+
+
+def test_a_key_compiled_again_while_its_first_compile_runs_finishes_both(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key evicted from the compile cache and asked for again while its first compile is
+    still running in the process (several compile threads: a host with 4+ cores) compiles
+    twice; both requests' compiles must finish. (The process's compile futures were keyed by
+    the constraint: the second replaced the first, whose request then waited forever.)"""
+    monkeypatch.setattr(manager_module, "_CACHE_SIZE", 1)
+    remote = StructuredOutputManager(
+        functools.partial(load_tokenizer, str(TOKENIZER_DIR), False),
+        QWEN3_VOCAB_SIZE,
+        [tokenizer.eos_token_id],
+        max_workers=4,
+    )
+    remote.use_grammar_process(None)
+    try:
+        requests = []
+        for index in (1, 2, 1):  # the first compile loads the tokenizer: it runs for seconds
+            params = SamplingParams(
+                max_tokens=8, structured_outputs=StructuredOutputsParams(**CONSTRAINTS[index])
+            )
+            request = Request(f"r{len(requests)}", [1, 2], params)
+            remote.init_request(request)
+            requests.append(request)
+        for request in requests:
+            request.structured_output.compiled.result(timeout=60)  # type: ignore[union-attr]
+            assert remote.is_ready(request)
+        rows = remote.grammar_bitmask(requests)
+        np.testing.assert_array_equal(rows[0], rows[2])
     finally:
         remote.shutdown()
