@@ -4,6 +4,9 @@ the same masks, terminations and rollbacks, with the tokens sent late (through
 step does); a prefetch waits for the tokens before it; a dead process fails the step."""
 
 import functools
+import gc
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +19,7 @@ from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.structured_output import manager as manager_module
 from pagedserve.structured_output.manager import StructuredOutputManager
 
-from .conftest import QWEN3_VOCAB_SIZE, TOKENIZER_DIR
+from .conftest import QWEN3_VOCAB_SIZE, TOKENIZER_DIR, make_llm
 from .test_batched import SCHEMA
 
 CONSTRAINTS: list[dict[str, Any]] = [
@@ -207,3 +210,24 @@ def test_a_key_compiled_again_while_its_first_compile_runs_finishes_both(
         np.testing.assert_array_equal(rows[0], rows[2])
     finally:
         remote.shutdown()
+
+
+def test_a_dropped_engine_stops_its_grammar_process(tiny_qwen3: Path) -> None:
+    """An LLM garbage-collected without `shutdown` must not leave its grammar process running
+    nor its shared-memory bitmasks in /dev/shm (the process's reply thread kept it alive
+    until the interpreter exited; the multiprocess executor has a finalizer for its workers
+    for the same reason)."""
+    llm = make_llm(tiny_qwen3, async_scheduling=True)
+    remote = llm.llm_engine.engine_core.structured_output_manager._remote
+    assert remote is not None
+    params = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"[a-c]{2,6}\d")
+    )
+    llm.generate(["x"], params, use_tqdm=False)
+    process = remote._process._process  # type: ignore[union-attr]
+    names = [buffer.name for buffer in remote._buffers]
+    assert names and process.poll() is None
+    del llm, remote
+    gc.collect()
+    assert process.wait(timeout=30) is not None
+    assert not set(names) & set(os.listdir("/dev/shm"))
