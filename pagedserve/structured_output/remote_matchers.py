@@ -14,6 +14,7 @@ step (async scheduling on a GPU) then goes:
 So the process accepts and fills while the engine thread schedules and launches the forward.
 """
 
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -66,8 +67,12 @@ class RemoteMatchers:
         self._args = (load_tokenizer, vocab_size, stop_token_ids)
         self._width = (vocab_size + 31) // 32
         self._pin = pin or (None, None)
-        self._process: GrammarProcess | None = None
+        # The process (once started) and the buffers, apart from self: a finalizer stops and
+        # releases them if the engine is dropped without `shutdown` (else the process and
+        # its shared memory outlived it, the process held by its reply thread).
+        self._started: list[GrammarProcess] = []
         self._buffers: list[SharedBitmask] = []
+        self._finalizer = weakref.finalize(self, _release, self._started, self._buffers)
         self._turn = 0
         self._next_slot = 0
         self.stop_token_ids: frozenset[int] = frozenset()  # the matchers' (from a compile)
@@ -75,10 +80,14 @@ class RemoteMatchers:
         self._awaiting: list[Row] | None = None  # the last fill's rows, tokens not sent
         self._prefetch: _Prefetch | None = None
 
+    @property
+    def _process(self) -> GrammarProcess | None:
+        return self._started[0] if self._started else None
+
     def start(self) -> None:
         """Start the process if it is not running (the first compile does)."""
-        if self._process is None:
-            self._process = GrammarProcess(*self._args)
+        if not self._started:
+            self._started.append(GrammarProcess(*self._args))
 
     def compile(self, key: str, params: StructuredOutputsParams) -> None:
         """Compile `key` in the process; blocks (a compile thread calls it). Raises
@@ -183,12 +192,7 @@ class RemoteMatchers:
         return terminated
 
     def shutdown(self) -> None:
-        if self._process is not None:
-            self._process.shutdown()
-            self._process = None
-        for buffer in self._buffers:
-            buffer.close()
-        self._buffers = []
+        _release(self._started, self._buffers)
 
     def _send_prefetch(self) -> None:
         prefetch = self._prefetch
@@ -209,3 +213,13 @@ class RemoteMatchers:
             buffer.close()
             self._buffers[self._turn] = buffer = grown
         return buffer
+
+
+def _release(started: list[GrammarProcess], buffers: list[SharedBitmask]) -> None:
+    """Stop the process and release the buffers (`shutdown`, or the finalizer)."""
+    for process in started:
+        process.shutdown()
+    started.clear()
+    for buffer in buffers:
+        buffer.close()
+    buffers.clear()
