@@ -13,7 +13,8 @@ the mask is not ready by the time the sampler needs it.
 Messages, engine -> process, in one ordered pipe (every matcher operation is applied in the
 engine's order): ("compile", key, params), ("forget", key), ("add", slot, key),
 ("free", slot), ("rollback", slot, keep), ("accept", slots, tokens),
-("fill", seq, slots, buffer name, buffer rows, first row), ("stop",). A slot is the engine's
+("fill", seq, slots, buffer name, buffer rows, first row), ("warm",) (load the tokenizer
+and xgrammar's vocabulary tables ahead of the first compile), ("stop",). A slot is the engine's
 number for one request's matcher (a request id may be reused while a step is in flight).
 Replies: ("compiled", key, error text or None, seconds, stop token ids), ("filled", seq).
 """
@@ -207,17 +208,26 @@ class _Home:
         with self.send_lock:
             self.conn.send(message)
 
-    def compile(self, key: str, params: StructuredOutputsParams) -> None:
+    def get_backend(self) -> Any:
+        """The XgrammarBackend (the tokenizer and xgrammar's vocabulary tables: seconds, once)."""
         from pagedserve.structured_output.backend_xgrammar import XgrammarBackend
 
+        with self.backend_lock:
+            if self.backend is None:
+                tokenizer = self.load_tokenizer()
+                self.backend = XgrammarBackend(tokenizer, self.vocab_size, self.stop_token_ids)
+        return self.backend
+
+    def warm(self) -> None:
+        try:
+            self.get_backend()
+        except Exception:  # noqa: BLE001 - the first compile reports it
+            logger.exception("loading the grammar backend failed")
+
+    def compile(self, key: str, params: StructuredOutputsParams) -> None:
         start = time.perf_counter()
         try:
-            with self.backend_lock:
-                if self.backend is None:
-                    self.backend = XgrammarBackend(
-                        self.load_tokenizer(), self.vocab_size, self.stop_token_ids
-                    )
-            self.compiled[key] = self.backend.compile(params)
+            self.compiled[key] = self.get_backend().compile(params)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and its own
             from pagedserve.structured_output.backend_xgrammar import xgrammar_error_text
 
@@ -301,6 +311,8 @@ class _Home:
                 self.rollback(message[1], message[2])
             elif kind == "compile":
                 self.pool.submit(self.compile, message[1], message[2])
+            elif kind == "warm":
+                self.pool.submit(self.warm)
             elif kind == "forget":
                 self.compiled.pop(message[1], None)
             elif kind == "release":

@@ -24,7 +24,6 @@ tokens early (`send_step_tokens`) and asks for the next step's rows when they ar
 """
 
 import dataclasses
-import itertools
 import logging
 import os
 import threading
@@ -121,13 +120,6 @@ class StructuredOutputManager:
         self._buffers: list[np.ndarray] = []
         self._turn = 0
         self._remote: RemoteMatchers | None = None  # use_grammar_process
-        # With the grammar process, which keeps each compiled grammar under a name of its own
-        # (one per compile: a key evicted and asked for again compiles anew while the first
-        # compile may still run): the requests whose matchers are not made yet, per compile,
-        # and the evicted compiles the process forgets once none of those is left.
-        self._compile_names = itertools.count()
-        self._unmatched: dict[Future[Any], int] = {}
-        self._evicted: set[Future[Any]] = set()
 
     def use_bitmask_buffers(self, allocate: Callable[[tuple[int, int]], np.ndarray]) -> None:
         """Fill each step's bitmask into one of two buffers made by `allocate(shape)` (int32,
@@ -140,11 +132,14 @@ class StructuredOutputManager:
 
     def use_grammar_process(self, pin: Pinning | None) -> None:
         """Compile and match in a grammar process (module docstring); `pin` page-locks and
-        unlocks its bitmask buffers for the device's copies (None on a CPU). The tokenizer
-        loader must be picklable. Call before the first request."""
+        unlocks its bitmask buffers for the device's copies (None on a CPU; with it, the
+        process starts now and loads its tables in the background). The tokenizer loader must
+        be picklable. Call before the first request."""
         self._remote = RemoteMatchers(
             self._load_tokenizer, self.vocab_size, self.stop_token_ids, pin
         )
+        if pin is not None:  # a GPU engine: started now, not at the first constraint
+            self._remote.warm_up()
 
     @property
     def uses_process(self) -> bool:
@@ -172,44 +167,22 @@ class StructuredOutputManager:
                 while len(self._cache) > _CACHE_SIZE:
                     _, evicted = self._cache.popitem(last=False)
                     if self._remote is not None:
-                        if self._unmatched.get(evicted):
-                            self._evicted.add(evicted)  # forgotten once they have matchers
-                        else:
-                            evicted.add_done_callback(self._forget)
+                        self._remote.evict(evicted)
             if self._remote is not None:
-                self._unmatched[future] = self._unmatched.get(future, 0) + 1
+                self._remote.waits_for(future)
         request.structured_output = StructuredOutputRequest(params, future)
 
-    def _forget(self, compiled: "Future[Any]") -> None:
-        """Let the grammar process drop an evicted compile (a done future's callback)."""
-        if self._remote is not None and not compiled.cancelled() and compiled.exception() is None:
-            self._remote.forget(compiled.result())
-
-    def _matcher_made(self, state: StructuredOutputRequest) -> None:
+    def _matched(self, state: StructuredOutputRequest) -> None:
         """The request no longer needs its compile in the grammar process (its matcher is
         made, its compile failed, or it finished first)."""
-        if self._remote is None:
-            return
-        with self._lock:
-            left = self._unmatched.pop(state.compiled, 0) - 1
-            if left > 0:
-                self._unmatched[state.compiled] = left
-                return
-            if state.compiled not in self._evicted:
-                return
-            self._evicted.discard(state.compiled)
-        state.compiled.add_done_callback(self._forget)
+        if self._remote is not None:
+            self._remote.matched(state.compiled)
 
     def _compile(self, params: StructuredOutputsParams, key: str) -> Any:
         """The compiled grammar (in the grammar process: its key there, once compiled)."""
         start = time.perf_counter()
         if self._remote is not None:
-            with self._lock:
-                self._remote.start()
-            with self._lock:
-                name = f"{next(self._compile_names)}:{key}"
-            self._remote.compile(name, params)  # RuntimeError: xgrammar's error
-            compiled: Any = name
+            compiled: Any = self._remote.compile(key, params)  # RuntimeError: xgrammar's
             if self.reasoning_parser is not None:
                 with self._lock:
                     if self._reasoner is None:
@@ -245,11 +218,11 @@ class StructuredOutputManager:
         except Exception:
             logger.exception("compiling the grammar of request %s failed", request.request_id)
             state.failed = True
-            self._matcher_made(state)
+            self._matched(state)
             return True
         if self._remote is not None:
             state.grammar = self._remote.add(compiled)
-            self._matcher_made(state)
+            self._matched(state)
         else:
             assert self._backend is not None
             state.grammar = self._backend.new_matcher(compiled)
@@ -405,7 +378,7 @@ class StructuredOutputManager:
     def free_request(self, request: Request) -> None:
         state = request.structured_output
         if state is not None and state.grammar is None and not state.failed:
-            self._matcher_made(state)  # it finished waiting for its compile
+            self._matched(state)  # it finished waiting for its compile
         if state is not None and isinstance(state.grammar, RemoteGrammar):
             assert self._remote is not None
             self._remote.free(state.grammar)

@@ -14,6 +14,7 @@ step (async scheduling on a GPU) then goes:
 So the process accepts and fills while the engine thread schedules and launches the forward.
 """
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -75,6 +76,10 @@ class RemoteMatchers:
         self._finalizer = weakref.finalize(self, _release, self._started, self._buffers)
         self._turn = 0
         self._next_slot = 0
+        self._lock = threading.Lock()  # compile threads and the engine thread
+        self._next_name = 0
+        self._unmatched: dict[Future[Any], int] = {}  # compile -> requests waiting for it
+        self._evicted: set[Future[Any]] = set()  # out of the cache, still waited for
         self.stop_token_ids: frozenset[int] = frozenset()  # the matchers' (from a compile)
         self._sent: set[int] = set()  # slots whose token in flight was sent, not applied
         self._awaiting: list[Row] | None = None  # the last fill's rows, tokens not sent
@@ -86,19 +91,61 @@ class RemoteMatchers:
 
     def start(self) -> None:
         """Start the process if it is not running (the first compile does)."""
-        if not self._started:
-            self._started.append(GrammarProcess(*self._args))
+        with self._lock:
+            if not self._started:
+                self._started.append(GrammarProcess(*self._args))
 
-    def compile(self, key: str, params: StructuredOutputsParams) -> None:
-        """Compile `key` in the process; blocks (a compile thread calls it). Raises
-        RuntimeError with xgrammar's error."""
-        assert self._process is not None, "start() first"
-        self.stop_token_ids = frozenset(self._process.compile(key, params).result())
+    def warm_up(self) -> None:
+        """Start the process now and have it load the tokenizer and xgrammar's vocabulary
+        tables, so that the first constrained request does not wait for them (12.5 s on the
+        H200 host, most of it the process's imports: BENCHMARKS.md, issue 17)."""
+        self.start()
+        assert self._process is not None
+        self._process.send(("warm",))
 
-    def forget(self, key: str) -> None:
-        """Drop a compiled grammar that left the manager's cache."""
-        if self._process is not None:
-            self._process.send(("forget", key))
+    def compile(self, key: str, params: StructuredOutputsParams) -> str:
+        """Compile the constraint `key` in the process; its name there (one per compile: a
+        key evicted and asked for again compiles anew while its first compile may still
+        run). Blocks (a compile thread calls it). Raises RuntimeError with xgrammar's error."""
+        self.start()
+        assert self._process is not None
+        with self._lock:
+            name = f"{self._next_name}:{key}"
+            self._next_name += 1
+        self.stop_token_ids = frozenset(self._process.compile(name, params).result())
+        return name
+
+    # A compile stays in the process while a request waits to make its matcher from it.
+
+    def waits_for(self, compiled: "Future[Any]") -> None:
+        """A request waits for `compiled` (the manager's future of a compile's name)."""
+        with self._lock:
+            self._unmatched[compiled] = self._unmatched.get(compiled, 0) + 1
+
+    def matched(self, compiled: "Future[Any]") -> None:
+        """A request waits no more (its matcher is made, its compile failed, or it ended)."""
+        with self._lock:
+            left = self._unmatched.pop(compiled, 0) - 1
+            if left > 0:
+                self._unmatched[compiled] = left
+                return
+            if compiled not in self._evicted:
+                return
+            self._evicted.discard(compiled)
+        compiled.add_done_callback(self._forget)
+
+    def evict(self, compiled: "Future[Any]") -> None:
+        """The manager's cache dropped `compiled`: the process forgets it once no request
+        waits for it (its matchers keep what they need)."""
+        with self._lock:
+            if self._unmatched.get(compiled):
+                self._evicted.add(compiled)
+                return
+        compiled.add_done_callback(self._forget)
+
+    def _forget(self, compiled: "Future[Any]") -> None:
+        if self._process is not None and not compiled.cancelled() and compiled.exception() is None:
+            self._process.send(("forget", compiled.result()))
 
     def add(self, key: str) -> RemoteGrammar:
         """A new matcher of the compiled grammar `key`."""
