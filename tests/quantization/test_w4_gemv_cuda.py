@@ -65,13 +65,17 @@ def test_supports_rejects_what_the_kernel_does_not_take() -> None:
     if not torch.cuda.is_available():
         assert not w4_gemv_cuda.available()
         return
-    wc, xc = w.cuda(), x.cuda()
-    wc.perm = torch.nn.Parameter(torch.arange(64, dtype=torch.int32, device="cuda"), False)
-    assert not w4_gemv_cuda.supports(wc, xc)
-    assert not w4_gemv_cuda.supports(
-        w.cuda(), torch.zeros(9, 64, dtype=torch.float16, device="cuda")
-    )
-    w8 = PackedWeights(w.qweight.cuda(), None, 128, w.scales.cuda(), None, None, 8, 32)
+    if not w4_gemv_cuda.available():
+        pytest.skip("needs nvcc and a GPU of sm_80+")
+    x = x.cuda()
+    assert w4_gemv_cuda.supports(random_weights(64, 16, 32, False, torch.float16, "cuda"), x)
+    act_order = random_weights(64, 16, 32, False, torch.float16, "cuda")
+    act_order.perm = torch.nn.Parameter(torch.arange(64, dtype=torch.int32, device="cuda"), False)
+    assert not w4_gemv_cuda.supports(act_order, x)
+    plain = random_weights(64, 16, 32, False, torch.float16, "cuda")
+    assert not w4_gemv_cuda.supports(plain, torch.zeros(9, 64, dtype=torch.float16, device="cuda"))
+    assert not w4_gemv_cuda.supports(plain, x.float())
+    w8 = PackedWeights(plain.qweight, None, 128, plain.scales, None, None, 8, 32)
     assert not w4_gemv_cuda.supports(w8, torch.zeros(1, 32, dtype=torch.float16, device="cuda"))
 
 

@@ -79,7 +79,7 @@ def load(verbose: bool = False) -> object:
     arch = f"{major}{minor}"
     build_dir = Path(os.path.expanduser("~/.cache/pagedserve/w4_gemv_cuda")) / f"sm_{arch}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas=-v"]
+    flags = ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas=-v"]
     start = time.perf_counter()
     module = load_inline(  # type: ignore[no-untyped-call]
         name=f"pagedserve_w4_gemv_sm{arch}",
