@@ -231,12 +231,12 @@ __global__ void __launch_bounds__(512) w4_gemv_kernel(
   mine[(2 * t) * kTileN + g + 8] = acc[2];
   mine[(2 * t + 1) * kTileN + g + 8] = acc[3];
   __syncthreads();
-  if (threadIdx.x < kMaxM * kTileN) {
-    const int row = threadIdx.x / kTileN;
-    const int col = tile * kTileN + threadIdx.x % kTileN;
+  for (int i = threadIdx.x; i < kMaxM * kTileN; i += blockDim.x) {  // blocks of 1..4 warps too
+    const int row = i / kTileN;
+    const int col = tile * kTileN + i % kTileN;
     if (row < m && col < n) {
       float sum = 0.f;
-      for (int w = 0; w < num_warps; ++w) sum += partial[w * kMaxM * kTileN + threadIdx.x];
+      for (int w = 0; w < num_warps; ++w) sum += partial[w * kMaxM * kTileN + i];
       if (bias != nullptr) sum += to_float(bias[col]);
       out[static_cast<size_t>(row) * n + col] = from_float<T>(sum);
     }

@@ -41,8 +41,9 @@ from pagedserve.layers.quantization.packed import PackedWeights, unpack_int32
 MAX_M = 8  # the MMA's N
 TILE_N = 16  # output columns of a block
 CHUNK_K = 64  # K rows of one lane's 16-byte load
-# Aim for this many warps per SM (loads in flight) when choosing the warps of a block.
-WARPS_PER_SM = 32
+# Aim for this many warps per SM (loads in flight) when choosing the warps of a block; gives
+# the H200 sweep's best (benchmarks/w4_gemv_cuda.py --sweep): qkv 8, o 16, gate_up 4, down 16.
+WARPS_PER_SM = 16
 _SOURCE = Path(__file__).with_name("w4_gemv.cu")
 _LOADED: dict[str, object] = {}  # "module": the extension, once built
 _DECLARATION = """
