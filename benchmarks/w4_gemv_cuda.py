@@ -1,0 +1,195 @@
+"""The CUDA W4A16 GEMV (pagedserve/layers/kernels/w4_gemv_cuda.py) against the bf16 / fp16
+F.linear and the Triton `quant_gemm`, on Llama-3.1-8B's decode shapes, with a correctness check.
+
+For qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096, M in 1 2 4 8 and x in
+bf16 and fp16 (4-bit, group 128, fp16 scales, zero 8 as GPTQ symmetric; --asym: int16 zeros):
+- checks the CUDA kernel against `x.float() @ dequantize(w, float32)`, with the tolerance of
+  tests/quantization/test_quant_kernels.py: |y - ref| <= rtol |ref| + atol (|x| @ |W^T|), rtol =
+  one unit in the last place of x's dtype (bf16 2^-7, fp16 2^-10), atol = 2^-16 (fp32 sums);
+  prints max abs / rel error and the worst ratio to that bound, and exits 1 if any ratio > 1;
+- times, as CUDA-graph replays over enough weight copies that nothing stays in L2 (each copy
+  called once per replay, as a forward streams every weight from HBM once), the dense F.linear
+  (16-bit weight), `quant_gemm` and `w4_gemv`; prints ms and TB/s of packed weight (qweight
+  bytes: K N / 2) per shape and the per-layer sum, and one JSON line.
+--sweep also times every (num_warps, unroll) of the CUDA kernel and prints the best per shape.
+
+  python3 benchmarks/w4_gemv_cuda.py [--sweep] [--asym] [--m 1 --m 8] [--dtype bfloat16]
+"""
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+GROUP = 128
+L2_BYTES = 256 << 20  # weight bytes rotated per replay: several times the H200's 60 MB L2
+ULP = {"bfloat16": 2.0**-7, "float16": 2.0**-10}
+ATOL = 2.0**-16
+
+
+def timed(fn: Any, copies: int) -> float:
+    """ms per call: fn(i) for each of `copies` weight sets in one CUDA-graph replay."""
+    import triton
+
+    def run() -> None:
+        for i in range(copies):
+            fn(i)
+
+    run()  # build / compile outside the capture
+    return float(triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median")) / copies
+
+
+def check(y: Any, x: Any, w: Any, dtype_name: str) -> dict[str, float]:
+    """Errors of y against the fp32 reference; 'ratio' <= 1 is within the stated tolerance."""
+    import torch
+
+    from pagedserve.layers.kernels.quant_gemm import dequantize
+
+    weight = dequantize(w, torch.float32)  # W^T [K, N]
+    ref = x.float() @ weight
+    bound = ULP[dtype_name] * ref.abs() + ATOL * (x.float().abs() @ weight.abs())
+    diff = (y.float() - ref).abs()
+    return {
+        "max_abs": float(diff.max()),
+        "max_rel": float(diff.max() / ref.abs().max()),
+        "ratio": float((diff / bound).max()),
+    }
+
+
+def make_weights(k: int, n: int, copies: int, asym: bool) -> list[Any]:
+    import torch
+
+    from pagedserve.layers.quantization.packed import PackedWeights
+
+    out = []
+    for _ in range(copies):
+        qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
+        scales = (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).to(torch.float16)
+        zeros = None
+        if asym:
+            zeros = torch.randint(0, 16, (k // GROUP, n), dtype=torch.int16, device="cuda")
+        out.append(PackedWeights(qweight, zeros, 8, scales, None, None, 4, GROUP))
+    return out
+
+
+def bench_case(
+    x: Any, packs: list[Any], repacked: list[Any], dense: list[Any], sweep: bool
+) -> dict[str, Any]:
+    """Errors and timings of one (shape, dtype, M)."""
+    import torch.nn.functional as F
+
+    from pagedserve.layers.kernels import w4_gemv_cuda as cu
+    from pagedserve.layers.kernels.quant_gemm import quant_gemm
+
+    dtype_name = str(x.dtype).removeprefix("torch.")
+    n, k = packs[0].out_features, packs[0].in_features
+    row: dict[str, Any] = {
+        "err": check(cu.w4_gemv(x, packs[0], repacked[0]), x, packs[0], dtype_name),
+        "err_triton": check(quant_gemm(x, packs[0]), x, packs[0], dtype_name),
+        "dense_ms": timed(lambda i: F.linear(x, dense[i % len(dense)]), len(dense)),
+        "triton_ms": timed(lambda i: quant_gemm(x, packs[i]), len(packs)),
+        "cuda_ms": timed(lambda i: cu.w4_gemv(x, packs[i], repacked[i]), len(packs)),
+        "cuda_cfg": (cu.pick_num_warps(n, k), 4),
+    }
+    for warps, unroll in itertools.product((4, 8, 16), (2, 4, 8)) if sweep else []:
+        t = timed(
+            lambda i, a=warps, b=unroll: cu.w4_gemv(
+                x, packs[i], repacked[i], num_warps=a, unroll=b
+            ),
+            len(packs),
+        )
+        if t < row["cuda_ms"]:
+            row["cuda_ms"], row["cuda_cfg"] = t, (warps, unroll)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, action="append", help="rows of x (default 1 2 4 8)")
+    parser.add_argument("--dtype", action="append", choices=sorted(ULP))
+    parser.add_argument("--sweep", action="store_true", help="time every (num_warps, unroll)")
+    parser.add_argument("--asym", action="store_true", help="int16 zero points")
+    args = parser.parse_args()
+    import torch
+
+    from benchmarks.common import git_commit
+    from pagedserve.layers.kernels import w4_gemv_cuda as cu
+
+    if not cu.available():
+        print("w4_gemv_cuda: not available (needs a CUDA GPU of sm_80+ and nvcc)")
+        return 2
+    start = time.perf_counter()
+    cu.load(verbose=True)
+    compile_s = time.perf_counter() - start
+    torch.manual_seed(0)
+    ms, dtypes = args.m or [1, 2, 4, 8], args.dtype or ["bfloat16", "float16"]
+    results: list[dict[str, Any]] = []
+    worst = 0.0
+    for name, (k, n) in SHAPES.items():
+        copies = max(2, L2_BYTES // (k * n // 2))
+        packs = make_weights(k, n, copies, args.asym)
+        repacked = [cu.repack(w) for w in packs]
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            dense = [
+                torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(max(2, copies // 4))
+            ]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                row = bench_case(x, packs, repacked, dense, args.sweep)
+                row.update(shape=name, k=k, n=n, m=m, dtype=dtype_name)
+                err = row.pop("err")
+                worst = max(worst, err["ratio"])
+                results.append(row)
+                print(
+                    f"{name:8s} {dtype_name:8s} M={m}  dense {row['dense_ms'] * 1e3:6.1f} us  "
+                    f"triton {row['triton_ms'] * 1e3:6.1f} us  cuda {row['cuda_ms'] * 1e3:6.1f} us "
+                    f"{k * n / 2 / row['cuda_ms'] / 1e9:5.2f} TB/s {row['cuda_cfg']}  err abs "
+                    f"{err['max_abs']:.2e} rel {err['max_rel']:.2e} ratio {err['ratio']:.2f} "
+                    f"(triton ratio {row.pop('err_triton')['ratio']:.2f})",
+                    flush=True,
+                )
+        torch.cuda.empty_cache()
+    print_summary(results, ms, dtypes)
+    summary = {
+        "benchmark": "w4_gemv_cuda",
+        "gpu": torch.cuda.get_device_name(),
+        "commit": git_commit(),
+        "compile_s": round(compile_s, 1),
+        "asym": args.asym,
+        "worst_error_ratio": worst,
+        "rows": [
+            {key: v for key, v in r.items() if key not in ("err", "err_triton")} for r in results
+        ],
+    }
+    print(json.dumps(summary))
+    if worst > 1.0:
+        print(f"FAIL: error {worst:.2f} x the tolerance")
+        return 1
+    return 0
+
+
+def print_summary(results: list[dict[str, Any]], ms: list[int], dtypes: list[str]) -> None:
+    """One layer's four linears (ms, and TB/s of packed weight) per dtype and M."""
+    layer_bytes = sum(k * n / 2 for k, n in SHAPES.values())
+    print(f"\n{'dtype':8s} {'M':>2s} {'dense ms':>9s} {'triton ms':>10s} {'cuda ms':>8s} "
+          f"{'cuda TB/s':>9s} {'cuda/dense':>10s} {'cuda/triton':>11s}")  # fmt: skip
+    for dtype_name in dtypes:
+        for m in ms:
+            rows = [r for r in results if r["dtype"] == dtype_name and r["m"] == m]
+            dense, triton_ms, cuda = (sum(r[key] for r in rows) for key in
+                                      ("dense_ms", "triton_ms", "cuda_ms"))  # fmt: skip
+            print(
+                f"{dtype_name:8s} {m:2d} {dense:9.4f} {triton_ms:10.4f} {cuda:8.4f} "
+                f"{layer_bytes / cuda / 1e9:9.2f} {cuda / dense:10.2f} {cuda / triton_ms:11.2f}"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

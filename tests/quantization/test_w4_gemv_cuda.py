@@ -1,0 +1,140 @@
+"""The CUDA W4A16 GEMV (pagedserve/layers/kernels/w4_gemv_cuda.py) against the fp32 reference
+`x.float() @ dequantize(w, float32)`, and its weight repacking against the layout its docstring
+states.
+
+The repack test is plain torch and runs everywhere (the layout is the kernel's contract, so a
+wrong permutation is caught without a GPU). The `gpu` tests need a CUDA GPU of sm_80+ and nvcc
+(skipped otherwise); they cover M 1..8, K not a multiple of the 64-row chunk, N not a multiple
+of the 16-column tile, group sizes 32 / 64 / 128 / one group, symmetric (constant zero) and
+asymmetric (int16 zeros) weights, fp16 and bf16 x and scales, and bias. Tolerance as in
+test_quant_kernels.py: |y - ref| <= rtol |ref| + atol (|x| @ |W^T|), rtol one unit in the last
+place of x's dtype, atol 2^-16 (the kernel's weights are exact, so only fp32 summation order
+and the final rounding differ).
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from pagedserve.layers.kernels import w4_gemv_cuda
+from pagedserve.layers.quantization.packed import PackedWeights, pack_int32, unpack_int32
+
+RTOL = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def random_weights(
+    k: int, n: int, group_size: int, asym: bool, scale_dtype: torch.dtype, device: str
+) -> PackedWeights:
+    """Random 4-bit weights in `PackedWeights`' layout (group_size -1: one group)."""
+    group = k if group_size == -1 else group_size
+    num_groups = -(-k // group)
+    q = torch.randint(0, 16, (k, n), dtype=torch.int32, device=device)
+    scales = (torch.rand(num_groups, n, device=device) * 0.02 + 0.001).to(scale_dtype)
+    zeros = None
+    if asym:
+        zeros = torch.randint(0, 16, (num_groups, n), dtype=torch.int16, device=device)
+    return PackedWeights(pack_int32(q, 4, 0), zeros, 8, scales, None, None, 4, group)
+
+
+def test_repack_layout_matches_docstring() -> None:
+    """Each repacked word holds, at nibble position i / 2 + 4 (i % 2), the value of K row
+    64 c + 32 s + 8 t + i of column 16 j + 8 h + g (lane 4 g + t, word 2 s + h); padding is 0."""
+    k, n = 136, 40  # neither a multiple of the 64-row chunk nor of the 16-column tile
+    w = random_weights(k, n, 8, False, torch.float16, "cpu")
+    repacked = w4_gemv_cuda.repack(w)
+    assert repacked.shape == (3, 3, 32, 4) and repacked.dtype == torch.int32
+    q = unpack_int32(w.qweight, 4, 0)  # [K, N]
+    nibbles = unpack_int32(repacked.reshape(-1, 1), 4, 1).reshape(3, 3, 32, 4, 8)
+    for j, c, lane, word in itertools.product(range(3), range(3), range(32), range(4)):
+        g, t, s, h = lane // 4, lane % 4, word // 2, word % 2
+        col = 16 * j + 8 * h + g
+        for i in range(8):
+            row = 64 * c + 32 * s + 8 * t + i
+            expected = int(q[row, col]) if row < k and col < n else 0
+            assert int(nibbles[j, c, lane, word, i // 2 + 4 * (i % 2)]) == expected
+
+
+def test_supports_rejects_what_the_kernel_does_not_take() -> None:
+    """act-order (perm / g_idx), 8-bit weights and more than MAX_M rows go to the fallback; on a
+    machine without a GPU nothing is supported (and importing the module built nothing)."""
+    w = random_weights(64, 16, 32, False, torch.float16, "cpu")
+    x = torch.zeros(1, 64, dtype=torch.float16)
+    assert not w4_gemv_cuda.supports(w, x)  # CPU tensor
+    assert "module" not in w4_gemv_cuda._LOADED
+    if not torch.cuda.is_available():
+        assert not w4_gemv_cuda.available()
+        return
+    if not w4_gemv_cuda.available():
+        pytest.skip("needs nvcc and a GPU of sm_80+")
+    x = x.cuda()
+    assert w4_gemv_cuda.supports(random_weights(64, 16, 32, False, torch.float16, "cuda"), x)
+    act_order = random_weights(64, 16, 32, False, torch.float16, "cuda")
+    act_order.perm = torch.nn.Parameter(torch.arange(64, dtype=torch.int32, device="cuda"), False)
+    assert not w4_gemv_cuda.supports(act_order, x)
+    plain = random_weights(64, 16, 32, False, torch.float16, "cuda")
+    assert not w4_gemv_cuda.supports(plain, torch.zeros(9, 64, dtype=torch.float16, device="cuda"))
+    assert not w4_gemv_cuda.supports(plain, x.float())
+    w8 = PackedWeights(plain.qweight, None, 128, plain.scales, None, None, 8, 32)
+    assert not w4_gemv_cuda.supports(w8, torch.zeros(1, 32, dtype=torch.float16, device="cuda"))
+
+
+def assert_matches(
+    y: torch.Tensor, x: torch.Tensor, w: PackedWeights, bias: torch.Tensor | None
+) -> None:
+    from pagedserve.layers.kernels.quant_gemm import dequantize
+
+    weight = dequantize(w, torch.float32)
+    ref = x.float() @ weight + (bias.float() if bias is not None else 0.0)
+    bound = RTOL[x.dtype] * ref.abs() + 2.0**-16 * (x.float().abs() @ weight.abs())
+    bound += RTOL[x.dtype] * (bias.float().abs() if bias is not None else 0.0)
+    diff = (y.float() - ref).abs()
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    assert bool((diff <= bound).all()), f"max ratio {float((diff / bound).max()):.3f}"
+
+
+CASES = [  # (K, N, group_size)
+    (64, 16, 32),
+    (128, 40, 64),
+    (200, 24, -1),  # one group, K not a multiple of 64
+    (1024, 136, 128),
+    (4096, 300, 128),
+    (448, 64, 32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,group_size", CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("asym", [False, True])
+def test_w4_gemv_matches_reference(
+    k: int, n: int, group_size: int, dtype: torch.dtype, asym: bool
+) -> None:
+    """Every M of a decode batch, with and without bias, fp16 scales (as GPTQ checkpoints keep
+    them) for either x dtype and x-typed scales."""
+    if not w4_gemv_cuda.available():
+        pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
+    torch.manual_seed(k + n)
+    for scale_dtype in {torch.float16, dtype}:
+        w = random_weights(k, n, group_size, asym, scale_dtype, "cuda")
+        repacked = w4_gemv_cuda.repack(w)
+        for m, with_bias in itertools.product((1, 2, 3, 5, 8), (False, True)):
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            bias = torch.randn(n, device="cuda", dtype=dtype) if with_bias else None
+            assert w4_gemv_cuda.supports(w, x)
+            assert_matches(w4_gemv_cuda.w4_gemv(x, w, repacked, bias), x, w, bias)
+
+
+@pytest.mark.gpu
+def test_w4_gemv_every_launch_config() -> None:
+    """The (num_warps, unroll) the benchmark sweeps give the same result: more warps than
+    chunks and chunks left over by the unrolled loop are handled."""
+    if not w4_gemv_cuda.available():
+        pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
+    torch.manual_seed(1)
+    w = random_weights(1088, 48, 64, True, torch.float16, "cuda")  # 17 chunks
+    repacked = w4_gemv_cuda.repack(w)
+    x = torch.randn(4, 1088, device="cuda", dtype=torch.bfloat16)
+    for num_warps, unroll in itertools.product((1, 4, 8, 16), (2, 4, 8)):
+        y = w4_gemv_cuda.w4_gemv(x, w, repacked, num_warps=num_warps, unroll=unroll)
+        assert_matches(y, x, w, None)
