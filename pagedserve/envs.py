@@ -145,3 +145,16 @@ def grammar_process() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"{GRAMMAR_PROCESS} must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+FP8_KV_F16_DOTS = "PAGEDSERVE_FP8_KV_F16_DOTS"
+
+
+def fp8_kv_f16_dots() -> bool:
+    """PAGEDSERVE_FP8_KV_F16_DOTS: "1" (default) runs the attention dots over an fp8 KV cache
+    in fp16 when the queries are bf16 (faster: BENCHMARKS.md, issue 15); "0" in bf16, the
+    earlier path, kept to compare. Read once, at import. Raises ValueError for another value."""
+    raw = os.environ.get(FP8_KV_F16_DOTS) or "1"  # empty: unset
+    if raw not in ("0", "1"):
+        raise ValueError(f"{FP8_KV_F16_DOTS} must be 0 or 1, got {raw!r}")
+    return raw == "1"

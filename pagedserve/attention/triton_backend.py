@@ -5,12 +5,12 @@ Importing this module imports Triton, so it raises ImportError where Triton is m
 """
 
 import functools
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pagedserve import envs
 from pagedserve.attention.kernels.paged_attention import (
     combine_splits_kernel,
     paged_attention_kernel,
@@ -59,8 +59,8 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-# A/B switch of the fp8 cache's fp16 dots (paged_attention.py), for benchmarks.
-_F16_DOTS = os.environ.get("PAGEDSERVE_FP8_KV_F16_DOTS", "1") == "1"
+# The fp8 cache's fp16 dots (paged_attention.py); envs.fp8_kv_f16_dots says why a switch.
+_F16_DOTS = envs.fp8_kv_f16_dots()
 
 
 def _head_dim_pad(head_dim: int) -> int:

@@ -231,3 +231,25 @@ def test_a_dropped_engine_stops_its_grammar_process(tiny_qwen3: Path) -> None:
     gc.collect()
     assert process.wait(timeout=30) is not None
     assert not set(names) & set(os.listdir("/dev/shm"))
+
+
+@pytest.mark.parametrize(
+    ("name", "read"),
+    [
+        ("PAGEDSERVE_GRAMMAR_PROCESS", "grammar_process"),
+        ("PAGEDSERVE_FP8_KV_F16_DOTS", "fp8_kv_f16_dots"),
+    ],
+)
+def test_on_off_switches_take_0_or_1_only(
+    monkeypatch: pytest.MonkeyPatch, name: str, read: str
+) -> None:
+    """The two switches: unset or empty is on, "0" is off, anything else names the variable."""
+    from pagedserve import envs
+
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(envs, read)() is True
+    monkeypatch.setenv(name, "0")
+    assert getattr(envs, read)() is False
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=name):
+        getattr(envs, read)()
