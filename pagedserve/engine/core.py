@@ -361,7 +361,8 @@ class EngineCore:
 
 def _structured_output_manager(config: EngineConfig) -> StructuredOutputManager:
     """The grammar engine of structured outputs. It loads the tokenizer (in its compile
-    thread) only when the first constrained request arrives."""
+    thread) only when the first constrained request arrives; the grammar process of a GPU
+    engine loads it at start, in the background (`use_grammar_process`)."""
     model_config = config.model_config
     # picklable: the grammar process loads it too
     load = functools.partial(load_tokenizer, model_config.tokenizer, model_config.trust_remote_code)
