@@ -1,5 +1,6 @@
 """A step's xgrammar calls for all its constrained requests at once: the bitmask fill (on
-xgrammar's C++ threads) and the accept of the sampled tokens (one call).
+xgrammar's C++ threads, into `BitmaskBuffers`) and the accept of the sampled tokens (one
+call).
 
 Both release the GIL inside C++ only: their arguments and results are converted under it.
 So the accept is one call on the calling thread: cut into chunks on Python threads it ran
@@ -8,6 +9,7 @@ thread doing both beside the engine thread gained nothing (BENCHMARKS.md, issue 
 """
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,3 +57,30 @@ class BatchMatcher:
         is not allowed, the matcher stays where it was). Each matcher at most once."""
         accepted: list[bool] = self._accept(matchers, tokens)
         return accepted
+
+
+class BitmaskBuffers:
+    """Where the engine-thread matchers fill a step's bitmask ([rows, words] int32, C order):
+    with `allocate(shape)` (pinned host memory on a GPU: `use_bitmask_buffers`), two buffers
+    used in turn whose rows are handed out as they are (`handed_out`); without it, one numpy
+    buffer the caller copies from. Both grow to the rows asked for."""
+
+    def __init__(
+        self, words: int, allocate: Callable[[tuple[int, int]], np.ndarray] | None = None
+    ) -> None:
+        self.words = words
+        self._allocate = allocate or (lambda shape: np.zeros(shape, np.int32))
+        self.handed_out = allocate is not None
+        self._buffers: list[np.ndarray] = []
+        self._turn = 0
+
+    def rows(self, num_rows: int) -> np.ndarray:
+        """The first `num_rows` rows of the next buffer (of the same one without allocate)."""
+        if self.handed_out:
+            self._turn ^= 1
+        while len(self._buffers) <= self._turn:
+            self._buffers.append(self._allocate((0, self.words)))
+        if len(self._buffers[self._turn]) < num_rows:
+            grown = max(num_rows, 2 * len(self._buffers[self._turn]))
+            self._buffers[self._turn] = self._allocate((grown, self.words))
+        return self._buffers[self._turn][:num_rows]

@@ -43,7 +43,7 @@ from pagedserve.structured_output.backend_xgrammar import (
     XgrammarGrammar,
     constraint_key,
 )
-from pagedserve.structured_output.batch_matcher import BatchMatcher
+from pagedserve.structured_output.batch_matcher import BatchMatcher, BitmaskBuffers
 from pagedserve.structured_output.remote_matchers import Pinning, RemoteGrammar, RemoteMatchers
 from pagedserve.structured_outputs_params import StructuredOutputsParams
 
@@ -114,11 +114,7 @@ class StructuredOutputManager:
         self._num_misses = 0
         self._compile_seconds = 0.0
         self._batch_matcher: BatchMatcher | None = None
-        self._bitmask = np.zeros((0, (vocab_size + 31) // 32), np.int32)
-        # use_bitmask_buffers: two buffers used in turn, whose rows are handed out as they are
-        self._allocate: Callable[[tuple[int, int]], np.ndarray] | None = None
-        self._buffers: list[np.ndarray] = []
-        self._turn = 0
+        self._bitmasks = BitmaskBuffers((vocab_size + 31) // 32)
         self._remote: RemoteMatchers | None = None  # use_grammar_process
 
     def use_bitmask_buffers(self, allocate: Callable[[tuple[int, int]], np.ndarray]) -> None:
@@ -128,7 +124,7 @@ class StructuredOutputManager:
         step for 256 rows of Qwen3's vocabulary). The caller must be done with a step's
         bitmask before the step after next fills (the engine's in-process deferred path is:
         a step's mask is on its way to the device before the next step's fill starts)."""
-        self._allocate = allocate
+        self._bitmasks = BitmaskBuffers(self._bitmasks.words, allocate)
 
     def use_grammar_process(self, pin: Pinning | None) -> None:
         """Compile and match in a grammar process (module docstring); `pin` page-locks and
@@ -256,20 +252,7 @@ class StructuredOutputManager:
         num_rows = len(requests)
         if self._remote is not None:
             return self._remote.fill(_rows(requests))
-        if self._allocate is not None:
-            self._turn ^= 1
-            while len(self._buffers) <= self._turn:
-                self._buffers.append(self._allocate((0, _width(self))))
-            if len(self._buffers[self._turn]) < num_rows:
-                grown = max(num_rows, 2 * len(self._buffers[self._turn]))
-                self._buffers[self._turn] = self._allocate((grown, _width(self)))
-            bitmask = self._buffers[self._turn][:num_rows]
-        else:
-            if len(self._bitmask) < num_rows:
-                self._bitmask = np.zeros(
-                    (max(num_rows, 2 * len(self._bitmask)), _width(self)), np.int32
-                )
-            bitmask = self._bitmask[:num_rows]
+        bitmask = self._bitmasks.rows(num_rows)
         grammars = []
         for request in requests:
             state = request.structured_output
@@ -285,7 +268,7 @@ class StructuredOutputManager:
             bitmask[[row for row, g in enumerate(grammars) if g.terminated]] = -1
             if live:
                 self._batch().fill([grammars[row].matcher for row in live], bitmask, live)
-        if self._allocate is not None:
+        if self._bitmasks.handed_out:
             return bitmask  # see use_bitmask_buffers
         return bitmask.copy()  # the buffer is reused next step; the step keeps its own
 
@@ -435,10 +418,6 @@ class StructuredOutputManager:
 def _rows(requests: list[Request]) -> list[tuple[str, int]]:
     """(request id, grammar slot) of requests with RemoteGrammars."""
     return [(r.request_id, r.structured_output.grammar.slot) for r in requests]
-
-
-def _width(manager: StructuredOutputManager) -> int:
-    return (manager.vocab_size + 31) // 32
 
 
 def _failed(future: "Future[Any]") -> bool:
