@@ -45,6 +45,28 @@ def test_openai_client_parse(qwen3_server: Server) -> None:
         assert isinstance(choice.message.parsed, Weather)
 
 
+def test_parse_through_the_grammar_process(server_factory: Any, qwen3_server: Server) -> None:
+    """With async scheduling the engine-core process runs the matchers in a grammar process
+    of its own: the same parse, stream and non-stream, gives the same outputs as without."""
+    running = server_factory("qwen3", None, ["--disable-any-whitespace", "--async-scheduling"])
+    try:
+        for seed in range(3):
+            texts = []
+            for server in (running, qwen3_server):
+                completion = server.client().chat.completions.parse(
+                    model=server.model,
+                    messages=[{"role": "user", "content": "Weather in a city?"}],
+                    response_format=Weather,
+                    max_tokens=64,
+                    seed=seed,
+                )
+                assert isinstance(completion.choices[0].message.parsed, Weather)
+                texts.append(completion.choices[0].message.content)
+            assert texts[0] == texts[1]
+    finally:
+        running.stop()
+
+
 def test_fields_on_chat_and_completions_stream_and_not(qwen3_server: Server) -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "seed": 1}
     completion = {"prompt": "hi", "max_tokens": 40, "seed": 1}
