@@ -1,8 +1,8 @@
 """Roofline figures of an engine step: the bytes it must read and the FLOPs it must compute,
 and the device peaks that turn them into memory-bandwidth utilization (MBU) and model FLOPs
-utilization (MFU). A torch-free leaf (it imports `envs` only): the engine core computes a
-step's cost (`step_cost`), the metrics divide it by the step's time and the device's peaks
-(`device_peaks`).
+utilization (MFU). A torch-free leaf (it imports `envs` and `model_config` only): the engine
+core computes a step's cost (`step_cost`), the metrics divide it by the step's time and the
+device's peaks (`device_peaks`).
 
 Per step, with L layers, H query heads, K kv heads, head dim D, and each scheduled sequence
 s bringing n_s new tokens to a context of c_s tokens (after the step):
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve import envs
-from pagedserve.config import get_hf_text_config
+from pagedserve.model_config import get_hf_text_config
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,8 @@ LEAVES = {
     "pagedserve.sampling_params",
     "pagedserve.structured_outputs_params",
     "pagedserve.config",
+    "pagedserve.config_options",  # the option(...) field that declares each option
+    "pagedserve.model_config",  # ModelConfig, re-exported by config
     "pagedserve.quant_config",
     "pagedserve.quant_files",
     "pagedserve.outputs",

@@ -21,10 +21,8 @@ from pagedserve.config import (
     SchedulerConfig,
     StructuredOutputsConfig,
     cuda_index,
-    get_model_max_len,
-    is_option,
-    option_default,
 )
+from pagedserve.config_options import is_option, option_default
 from pagedserve.engine.hub import resolve_model_folder
 from pagedserve.engine.model_files import (
     diff_sampling_param,
@@ -34,6 +32,7 @@ from pagedserve.engine.model_files import (
     read_generation_config,
 )
 from pagedserve.errors import UnsupportedModelError
+from pagedserve.model_config import get_model_max_len
 from pagedserve.quant_config import resolve_quantization
 
 # Who builds the engine (vLLM's UsageContext): the offline `LLM` class gets a larger default

@@ -5,10 +5,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.config import DEFAULT_MAX_LOGPROBS
 from pagedserve.engine.mm_processor import MultiModalProcessor
 from pagedserve.engine.prompt_bound import check_prompt_chars
 from pagedserve.errors import InvalidRequestError
+from pagedserve.model_config import DEFAULT_MAX_LOGPROBS
 from pagedserve.multimodal import MultiModalFeature
 from pagedserve.sampling_params import SamplingParams, is_default_max_tokens
 from pagedserve.structured_output.backend_xgrammar import validate_structured_outputs

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve.config import DEFAULT_MM_LIMIT
 from pagedserve.engine.image_prompt_processor import ImagePromptProcessor
 from pagedserve.errors import InvalidRequestError
+from pagedserve.model_config import DEFAULT_MM_LIMIT
 from pagedserve.multimodal import MultiModalFeature, hash_pixels, placeholder_ranges
 
 SUPPORTED_MODALITIES = ("image",)

@@ -1,10 +1,10 @@
-"""Options declared once, on dataclass fields (`pagedserve.config.option`), rendered as
+"""Options declared once, on dataclass fields (`pagedserve.config_options.option`), rendered as
 argparse flags and as Markdown tables for the docs.
 
 A field `max_model_len` becomes the flag `--max-model-len` (vLLM's spelling) with the field's
 default and help; a bool becomes `--flag/--no-flag` (argparse.BooleanOptionalAction) unless the
 field's `cli` says otherwise (e.g. `{"action": "store_true"}`); the type comes from the
-annotation (`int | None` -> int). Import rule: only `pagedserve.config`
+annotation (`int | None` -> int). Import rule: only `pagedserve.config_options`
 and `pagedserve.entrypoints.argv`.
 """
 
@@ -13,7 +13,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from pagedserve.config import is_option, option_default
+from pagedserve.config_options import is_option, option_default
 from pagedserve.entrypoints.argv import human_int
 
 MARKER = "<!-- {name}:{end} -->"

@@ -10,7 +10,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagedserve.config import LOAD_FORMATS
 from pagedserve.distributed.parallel_state import (
     get_pp_rank,
     get_pp_size,
@@ -22,6 +21,7 @@ from pagedserve.layers.attention import Attention
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.quantization.base import LinearMethodBase
 from pagedserve.layers.rotary import RotaryEmbedding
+from pagedserve.model_config import LOAD_FORMATS
 from pagedserve.models.cpu_offload import CpuOffloader
 from pagedserve.models.registry import get_model_class
 from pagedserve.quant_config import get_quantization_config

@@ -10,8 +10,8 @@ import importlib
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.config import MODEL_IMPLS
 from pagedserve.errors import UnsupportedModelError
+from pagedserve.model_config import MODEL_IMPLS
 
 if TYPE_CHECKING:
     from torch import nn

@@ -16,10 +16,8 @@ from pagedserve.config import (
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
-    is_option,
-    option,
-    option_default,
 )
+from pagedserve.config_options import is_option, option, option_default
 from pagedserve.engine import arg_utils
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.entrypoints.llm import LLM

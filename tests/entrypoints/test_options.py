@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.config import option_default
+from pagedserve.config_options import option_default
 from pagedserve.engine.arg_utils import EngineArgs, engine_args_from_namespace
 from pagedserve.entrypoints.cli import build_parser
 from pagedserve.entrypoints.openai.cli_args import (

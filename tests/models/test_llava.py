@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import get_model_max_len
+from pagedserve.model_config import get_model_max_len
 from tests.models.image_urls import data_url, png
 from tests.models.tiny_llava import (
     GREEDY,

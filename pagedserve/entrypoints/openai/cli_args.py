@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve import envs
-from pagedserve.config import DEFAULT_MODEL, option
+from pagedserve.config import DEFAULT_MODEL
+from pagedserve.config_options import option
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.entrypoints.options import add_options, markdown_table
 
