@@ -26,7 +26,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+from benchmarks import quant_gemm as quant_gemm_bench  # noqa: E402
+from benchmarks.quant_gemm import SHAPES  # noqa: E402
+
 GROUP = 128
 L2_BYTES = 256 << 20  # weight bytes rotated per replay: several times the H200's 60 MB L2
 ULP = {"bfloat16": 2.0**-7, "float16": 2.0**-10}
@@ -63,19 +65,13 @@ def check(y: Any, x: Any, w: Any, dtype_name: str) -> dict[str, float]:
 
 
 def make_weights(k: int, n: int, copies: int, asym: bool) -> list[Any]:
+    """`copies` random 4-bit group-128 weights with fp16 scales (quant_gemm.py's maker)."""
     import torch
 
-    from pagedserve.layers.quantization.packed import PackedWeights
-
-    out = []
-    for _ in range(copies):
-        qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda")
-        scales = (torch.rand(k // GROUP, n, device="cuda") * 0.01 + 0.001).to(torch.float16)
-        zeros = None
-        if asym:
-            zeros = torch.randint(0, 16, (k // GROUP, n), dtype=torch.int16, device="cuda")
-        out.append(PackedWeights(qweight, zeros, 8, scales, None, None, 4, GROUP))
-    return out
+    layout = argparse.Namespace(bits=4, group_size=GROUP, asym=asym, act_order=False)
+    return [
+        quant_gemm_bench.make_weights(k, n, layout, torch.float16, "cuda") for _ in range(copies)
+    ]
 
 
 def bench_case(

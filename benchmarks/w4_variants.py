@@ -28,7 +28,9 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+from benchmarks.quant_gemm import SHAPES
+from benchmarks.w4_gemv_cuda import timed
+
 GROUP = 128
 
 
@@ -278,16 +280,6 @@ def mma_gemm(x, qw, s, block_m, block_n, block_k, split_k, num_warps, num_stages
 def split_for(tiles: int, k_blocks: int) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return max(1, min(4 * sms // tiles, k_blocks, 16))
-
-
-def timed(fn, copies: int) -> float:
-    """ms per call, each of `copies` weight sets called once per replay (no L2 reuse)."""
-
-    def run():
-        for i in range(copies):
-            fn(i)
-
-    return triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") / copies
 
 
 def main() -> None:

@@ -141,10 +141,7 @@ def grammar_process() -> bool:
     a process of their own where the engine fills bitmasks while the device runs the forward
     (async scheduling on a GPU, one rank in the engine's process); "0" keeps them in the
     engine thread. Raises ValueError for another value."""
-    raw = os.environ.get(GRAMMAR_PROCESS) or "1"  # empty: unset
-    if raw not in ("0", "1"):
-        raise ValueError(f"{GRAMMAR_PROCESS} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return _switch(GRAMMAR_PROCESS)
 
 
 FP8_KV_F16_DOTS = "PAGEDSERVE_FP8_KV_F16_DOTS"
@@ -154,7 +151,12 @@ def fp8_kv_f16_dots() -> bool:
     """PAGEDSERVE_FP8_KV_F16_DOTS: "1" (default) runs the attention dots over an fp8 KV cache
     in fp16 when the queries are bf16 (faster: BENCHMARKS.md, issue 15); "0" in bf16, the
     earlier path, kept to compare. Read once, at import. Raises ValueError for another value."""
-    raw = os.environ.get(FP8_KV_F16_DOTS) or "1"  # empty: unset
+    return _switch(FP8_KV_F16_DOTS)
+
+
+def _switch(name: str) -> bool:
+    """An on/off variable, on by default: "1" or unset/empty on, "0" off, else ValueError."""
+    raw = os.environ.get(name) or "1"  # empty: unset
     if raw not in ("0", "1"):
-        raise ValueError(f"{FP8_KV_F16_DOTS} must be 0 or 1, got {raw!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
     return raw == "1"

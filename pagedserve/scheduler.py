@@ -19,7 +19,7 @@ from pagedserve.step import (
     SchedulerOutput,
 )
 from pagedserve.structured_output.manager import StructuredOutputManager
-from pagedserve.structured_output.step_bitmask import grammar_output
+from pagedserve.structured_output.step_bitmask import constrained_requests, grammar_output
 
 
 @dataclass(slots=True)
@@ -202,13 +202,11 @@ class Scheduler:
         manager = self.structured_output_manager
         if deferred and manager is not None and manager.uses_process:
             # the grammar process fills these rows once the step in flight's tokens are in
-            sampling = [
-                request
-                for (request, _, _), item in zip(plan.scheduled, scheduled_requests, strict=True)
-                if item.sample
-            ]
             manager.prefetch_fill(
-                [r for r in sampling if manager.should_fill_bitmask(r)], len(sampling)
+                constrained_requests(
+                    manager, [request for request, _, _ in plan.scheduled], scheduled_requests
+                ),
+                sum(item.sample for item in scheduled_requests),
             )
         copies = self.kv_cache.take_block_copies()
         output = SchedulerOutput(
@@ -251,13 +249,7 @@ class Scheduler:
                     items.append(item)
         manager = self.structured_output_manager
         if manager is not None and manager.uses_process:
-            rows = manager.prefetched_output(
-                [
-                    request
-                    for request, item in zip(requests, items, strict=True)
-                    if item.sample and manager.should_fill_bitmask(request)
-                ]
-            )
+            rows = manager.prefetched_output(constrained_requests(manager, requests, items))
             return None if rows is None else GrammarOutput(*rows)
         return grammar_output(manager, requests, items)
 

@@ -16,7 +16,7 @@ engine's order): ("compile", key, params), ("forget", key), ("add", slot, key),
 ("fill", seq, slots, buffer name, buffer rows, first row), ("warm",) (load the tokenizer
 and xgrammar's vocabulary tables ahead of the first compile), ("stop",). A slot is the engine's
 number for one request's matcher (a request id may be reused while a step is in flight).
-Replies: ("compiled", key, error text or None, seconds, stop token ids), ("filled", seq).
+Replies: ("compiled", key, error text or None, stop token ids), ("filled", seq).
 """
 
 import contextlib
@@ -25,7 +25,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import resource_tracker
@@ -139,7 +138,7 @@ class GrammarProcess:
                 self._fail_all("the grammar process exited")
                 return
             if message[0] == "compiled":
-                _, key, error, _seconds, stop_ids = message
+                _, key, error, stop_ids = message
                 with self._lock:
                     future = self._compiles.pop(key, None)
                 if future is not None:
@@ -225,16 +224,15 @@ class _Home:
             logger.exception("loading the grammar backend failed")
 
     def compile(self, key: str, params: StructuredOutputsParams) -> None:
-        start = time.perf_counter()
         try:
             self.compiled[key] = self.get_backend().compile(params)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and its own
             from pagedserve.structured_output.backend_xgrammar import xgrammar_error_text
 
-            self.reply(("compiled", key, xgrammar_error_text(e), 0.0, ()))
+            self.reply(("compiled", key, xgrammar_error_text(e), ()))
             return
         stop_ids = sorted(self.backend.stop_token_ids)
-        self.reply(("compiled", key, None, time.perf_counter() - start, stop_ids))
+        self.reply(("compiled", key, None, stop_ids))
 
     def buffer(self, name: str, rows: int) -> np.ndarray:
         found = self.buffers.get(name)

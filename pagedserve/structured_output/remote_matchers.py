@@ -34,12 +34,10 @@ Pinning = tuple[Callable[[np.ndarray], None], Callable[[np.ndarray], None]]
 @dataclass(slots=True)
 class RemoteGrammar:
     """A request's matcher in the grammar process: its slot there (a request id may be
-    reused while a step is in flight; a slot never is), and whether it has terminated (set
-    here when a stop token is sampled under the mask, which the process's matcher accepts:
-    the mask allowed it only where the grammar may end)."""
+    reused while a step is in flight; a slot never is). The process knows whether it has
+    terminated."""
 
     slot: int
-    terminated: bool = False
 
 
 @dataclass(slots=True)
@@ -230,8 +228,7 @@ class RemoteMatchers:
                 self._sent.discard(grammar.slot)
             else:
                 late.append((grammar.slot, token_id))
-            if token_id in self.stop_token_ids:
-                grammar.terminated = True
+            if token_id in self.stop_token_ids:  # the mask allowed it: the grammar may end
                 terminated.add(request_id)
         if late:
             assert self._process is not None  # it made the grammars
