@@ -11,7 +11,11 @@ bf16 and fp16 (4-bit, group 128, fp16 scales, zero 8 as GPTQ symmetric; --asym: 
   called once per replay, as a forward streams every weight from HBM once), the dense F.linear
   (16-bit weight), `quant_gemm` and `w4_gemv`; prints ms and TB/s of packed weight (qweight
   bytes: K N / 2) per shape and the per-layer sum, and one JSON line.
---sweep also times every (num_warps, unroll) of the CUDA kernel and prints the best per shape.
+For M > 8 it times the tensor-core GEMM (`w4_gemm`) and dequantize + cuBLAS
+(`dequantize_repacked`), checked against the reference with each weight rounded to x's dtype
+as they round it, and reports the one `w4_linear` takes for that M.
+--sweep also times every (num_warps, unroll) of the GEMV, and (num_warps, split, mt, nt) of
+the GEMM, and prints the best per shape.
 
   python3 benchmarks/w4_gemv_cuda.py [--sweep] [--asym] [--m 1 --m 8] [--dtype bfloat16]
 """
@@ -47,13 +51,14 @@ def timed(fn: Any, copies: int) -> float:
     return float(triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median")) / copies
 
 
-def check(y: Any, x: Any, w: Any, dtype_name: str) -> dict[str, float]:
-    """Errors of y against the fp32 reference; 'ratio' <= 1 is within the stated tolerance."""
+def check(y: Any, x: Any, w: Any, dtype_name: str, rounded: bool = False) -> dict[str, float]:
+    """Errors of y against the fp32 reference (rounded: with each weight rounded to x's dtype,
+    as the GEMM rounds it); 'ratio' <= 1 is within the stated tolerance."""
     import torch
 
     from pagedserve.layers.kernels.quant_gemm import dequantize
 
-    weight = dequantize(w, torch.float32)  # W^T [K, N]
+    weight = dequantize(w, x.dtype if rounded else torch.float32).float()  # W^T [K, N]
     ref = x.float() @ weight
     bound = ULP[dtype_name] * ref.abs() + ATOL * (x.float().abs() @ weight.abs())
     diff = (y.float() - ref).abs()
@@ -85,6 +90,9 @@ def bench_case(
 
     dtype_name = str(x.dtype).removeprefix("torch.")
     n, k = packs[0].out_features, packs[0].in_features
+    m = x.size(0)
+    if m > cu.MAX_M:
+        return bench_gemm(x, packs, repacked, dense, sweep)
     row: dict[str, Any] = {
         "err": check(cu.w4_gemv(x, packs[0], repacked[0]), x, packs[0], dtype_name),
         "err_triton": check(quant_gemm(x, packs[0]), x, packs[0], dtype_name),
@@ -102,6 +110,54 @@ def bench_case(
         )
         if t < row["cuda_ms"]:
             row["cuda_ms"], row["cuda_cfg"] = t, (warps, unroll)
+    return row
+
+
+def bench_gemm(
+    x: Any, packs: list[Any], repacked: list[Any], dense: list[Any], sweep: bool
+) -> dict[str, Any]:
+    """Errors and timings of one (shape, dtype, M > MAX_M): `w4_linear`'s path for M (the
+    GEMM, or dequantize + cuBLAS from GEMM_MAX_M), the Triton `quant_linear` and F.linear;
+    --sweep times every GEMM (num_warps, split, mt, nt)."""
+    import torch.nn.functional as F
+
+    from pagedserve.layers.kernels import w4_gemv_cuda as cu
+    from pagedserve.layers.kernels.quant_gemm import quant_linear
+    from pagedserve.layers.quantization.packed import PackedWeights
+
+    dtype_name = str(x.dtype).removeprefix("torch.")
+    m, k = x.shape
+    n = packs[0].out_features
+    # the GEMM takes scales in x's dtype (as a model's layers hold them)
+    typed = [
+        PackedWeights(w.qweight, w.zeros, w.zero_value, w.scales.to(x.dtype), None, None, 4,
+                      w.group_size)
+        for w in packs
+    ]  # fmt: skip
+
+    def gemm(i: int, config: Any = None) -> Any:
+        return cu.w4_gemm(x, typed[i], repacked[i], typed[i].scales, config=config)
+
+    def dequant(i: int) -> Any:
+        return F.linear(x, cu.dequantize_repacked(typed[i], repacked[i], typed[i].scales))
+
+    row: dict[str, Any] = {
+        "err": check(gemm(0), x, typed[0], dtype_name, rounded=True),
+        "err_dequant": check(dequant(0), x, typed[0], dtype_name, rounded=True),
+        "err_triton": check(quant_linear(x, typed[0]), x, typed[0], dtype_name, rounded=True),
+        "dense_ms": timed(lambda i: F.linear(x, dense[i % len(dense)]), len(dense)),
+        "triton_ms": timed(lambda i: quant_linear(x, typed[i]), len(packs)),
+        "gemm_ms": timed(gemm, len(packs)),
+        "dequant_ms": timed(dequant, len(packs)),
+        "cuda_cfg": cu.pick_gemm_config(m, n, k),
+    }
+    mts = [mt for mt in (1, 2, 4) if mt == 1 or 16 * mt // 2 < m]  # m16 tiles a block may use
+    configs = itertools.product((4, 8), (1, 2, 4, 8), mts, (1, 2))
+    for config in configs if sweep else []:
+        t = timed(lambda i, c=config: gemm(i, c), len(packs))
+        if t < row["gemm_ms"]:
+            row["gemm_ms"], row["cuda_cfg"] = t, config
+    row["cuda_ms"] = row["gemm_ms"] if m < cu.GEMM_MAX_M else row["dequant_ms"]
     return row
 
 
@@ -141,12 +197,17 @@ def main() -> int:
                 row = bench_case(x, packs, repacked, dense, args.sweep)
                 row.update(shape=name, k=k, n=n, m=m, dtype=dtype_name)
                 err = row.pop("err")
-                worst = max(worst, err["ratio"])
+                worst = max(worst, err["ratio"], row.pop("err_dequant", err)["ratio"])
                 results.append(row)
+                extra = ""
+                if "gemm_ms" in row:
+                    gemm_us, dequant_us = row["gemm_ms"] * 1e3, row["dequant_ms"] * 1e3
+                    extra = f"gemm {gemm_us:6.1f} us  dequant {dequant_us:6.1f} us  "
                 print(
                     f"{name:8s} {dtype_name:8s} M={m}  dense {row['dense_ms'] * 1e3:6.1f} us  "
                     f"triton {row['triton_ms'] * 1e3:6.1f} us  cuda {row['cuda_ms'] * 1e3:6.1f} us "
-                    f"{k * n / 2 / row['cuda_ms'] / 1e9:5.2f} TB/s {row['cuda_cfg']}  err abs "
+                    f"{k * n / 2 / row['cuda_ms'] / 1e9:5.2f} TB/s {row['cuda_cfg']}  {extra}"
+                    f"err abs "
                     f"{err['max_abs']:.2e} rel {err['max_rel']:.2e} ratio {err['ratio']:.2f} "
                     f"(triton ratio {row.pop('err_triton')['ratio']:.2f})",
                     flush=True,

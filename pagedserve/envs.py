@@ -154,6 +154,17 @@ def fp8_kv_f16_dots() -> bool:
     return _switch(FP8_KV_F16_DOTS)
 
 
+W4_CUDA = "PAGEDSERVE_W4_CUDA"
+
+
+def w4_cuda() -> bool:
+    """PAGEDSERVE_W4_CUDA: "1" (default) serves 4-bit GPTQ / AWQ layers without act-order with
+    the CUDA kernels of layers/kernels/w4_gemv_cuda.py where nvcc can build them (faster:
+    BENCHMARKS.md, issue 15); "0" keeps the Triton kernels, to compare. Read at weight load.
+    Raises ValueError for another value."""
+    return _switch(W4_CUDA)
+
+
 def _switch(name: str) -> bool:
     """An on/off variable, on by default: "1" or unset/empty on, "0" off, else ValueError."""
     raw = os.environ.get(name) or "1"  # empty: unset

@@ -13,12 +13,15 @@ and the final rounding differ).
 """
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
 
 from pagedserve.layers.kernels import w4_gemv_cuda
 from pagedserve.layers.quantization.packed import PackedWeights, pack_int32, unpack_int32
+
+from .test_gptq_models import PROMPTS, float_model  # noqa: F401 (float_model: a fixture)
 
 RTOL = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 
@@ -80,11 +83,17 @@ def test_supports_rejects_what_the_kernel_does_not_take() -> None:
 
 
 def assert_matches(
-    y: torch.Tensor, x: torch.Tensor, w: PackedWeights, bias: torch.Tensor | None
+    y: torch.Tensor,
+    x: torch.Tensor,
+    w: PackedWeights,
+    bias: torch.Tensor | None,
+    rounded: bool = False,
 ) -> None:
+    """y within the tolerance of x @ W^T (+ bias), W in fp32, or (rounded: the tensor-core
+    GEMM's weights) each (q - z) * s rounded to x's dtype as `dequantize(w, dtype)` does."""
     from pagedserve.layers.kernels.quant_gemm import dequantize
 
-    weight = dequantize(w, torch.float32)
+    weight = dequantize(w, x.dtype if rounded else torch.float32).float()
     ref = x.float() @ weight + (bias.float() if bias is not None else 0.0)
     bound = RTOL[x.dtype] * ref.abs() + 2.0**-16 * (x.float().abs() @ weight.abs())
     bound += RTOL[x.dtype] * (bias.float().abs() if bias is not None else 0.0)
@@ -138,3 +147,123 @@ def test_w4_gemv_every_launch_config() -> None:
     for num_warps, unroll in itertools.product((1, 4, 8, 16), (2, 4, 8)):
         y = w4_gemv_cuda.w4_gemv(x, w, repacked, num_warps=num_warps, unroll=unroll)
         assert_matches(y, x, w, None)
+
+
+def gemm_weights(k: int, n: int, group_size: int, asym: bool, dtype: torch.dtype) -> tuple:
+    """(w, repacked, scales in x's dtype): the GEMM takes scales in the activation dtype."""
+    w = random_weights(k, n, group_size, asym, dtype, "cuda")
+    return w, w4_gemv_cuda.repack(w), w.scales
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,group_size", CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("asym", [False, True])
+def test_w4_gemm_matches_reference(
+    k: int, n: int, group_size: int, dtype: torch.dtype, asym: bool
+) -> None:
+    """M past the GEMV (9..255 rows: partial m16 tiles, several row blocks), with and without
+    bias, against x @ W^T with W rounded to x's dtype; and the dequantized weight for large M
+    equals the reference's exactly. N not a multiple of 8 is refused by the GEMM."""
+    if not w4_gemv_cuda.available():
+        pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
+    from pagedserve.layers.kernels.quant_gemm import dequantize
+
+    torch.manual_seed(k + n + 1)
+    w, repacked, scales = gemm_weights(k, n, group_size, asym, dtype)
+    dense = w4_gemv_cuda.dequantize_repacked(w, repacked, scales)  # [N, K]
+    assert torch.equal(dense, dequantize(w, dtype).T)
+    if n % 8 != 0:  # the GEMM copies 8 columns' scales at a time; w4_linear dequantizes then
+        with pytest.raises(RuntimeError, match="multiples of 8"):
+            w4_gemv_cuda.w4_gemm(torch.zeros(9, k, device="cuda", dtype=dtype), w, repacked, scales)
+        return
+    for m, with_bias in itertools.product((9, 16, 31, 64, 65, 200), (False, True)):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        bias = torch.randn(n, device="cuda", dtype=dtype) if with_bias else None
+        y = w4_gemv_cuda.w4_gemm(x, w, repacked, scales, bias)
+        assert_matches(y, x, w, bias, rounded=True)
+
+
+@pytest.mark.gpu
+def test_w4_gemm_every_launch_config() -> None:
+    """Every (num_warps, split, mt, nt) the dispatcher can take gives the same result: warps
+    with no tile, splits of uneven length, row blocks past M."""
+    if not w4_gemv_cuda.available():
+        pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
+    torch.manual_seed(2)
+    w, repacked, scales = gemm_weights(1088, 200, 64, True, torch.bfloat16)  # 17 chunks
+    x = torch.randn(40, 1088, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(200, device="cuda", dtype=torch.bfloat16)
+    configs = itertools.product((1, 2, 4, 8), (1, 2, 3, 8), (1, 2, 4), (1, 2))
+    for config in configs:
+        y = w4_gemv_cuda.w4_gemm(x, w, repacked, scales, bias, config=config)
+        assert_matches(y, x, w, bias, rounded=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [96, 200])
+def test_repacked_layer_every_m(dtype: torch.dtype, n: int) -> None:
+    """A GPTQ layer processed on the GPU holds `RepackedWeights` (the 4-bit weight once, no
+    qweight), and `w4_linear` serves every M: GEMV, GEMM and dequantize + cuBLAS."""
+    if not w4_gemv_cuda.available():
+        pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
+    from pagedserve.layers.linear import RowParallelLinear
+    from pagedserve.quant_config import GPTQConfig
+
+    torch.manual_seed(5)
+    k = 512
+    w = random_weights(k, n, 128, True, dtype, "cpu")
+    assert w.zeros is not None
+    w.zeros.data.clamp_(min=1)  # GPTQ v1 stores zero - 1 in 4 bits
+    qzeros = pack_int32(w.zeros.int() - 1, 4, 1)
+    config = GPTQConfig(weight_bits=4, group_size=128, desc_act=False, sym=False)
+    layer = RowParallelLinear(k, n, bias=False, quant_config=config)
+    tensors = {"qweight": w.qweight.data, "qzeros": qzeros, "scales": w.scales.data}
+    tensors["g_idx"] = torch.arange(k, dtype=torch.int32) // 128
+    for name, tensor in tensors.items():
+        param = getattr(layer, name)
+        param.weight_loader(param, tensor)
+    layer = layer.to(device="cuda", dtype=dtype)
+    layer.quant_method.process_weights_after_loading(layer)
+    packed = layer.packed_weights
+    assert isinstance(packed, w4_gemv_cuda.RepackedWeights) and not hasattr(packed, "qweight")
+    w = w.to("cuda")
+    for m in (1, 8, 9, 64, 100, 300):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        assert_matches(layer(x), x, w, None, rounded=m > w4_gemv_cuda.MAX_M)
+
+
+@pytest.mark.gpu
+def test_bf16_gptq_model_graphs_equal_eager(
+    float_model: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A tiny bf16 GPTQ Llama served on the CUDA kernels (every quantized linear holds
+    `RepackedWeights`) gives the same greedy tokens with CUDA graphs as eager: 12 sequences, so
+    decode runs the GEMM (split-K partial sums allocated inside the graph) and prefill the
+    dequantized path."""
+    if not w4_gemv_cuda.available():
+        pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.layers.linear import LinearBase
+
+    from .gptq_pack import write_gptq_checkpoint
+
+    path = tmp_path / "gptq"
+    write_gptq_checkpoint(float_model, path, tmp_path / "dequantized", 4, 32, False, False)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS * 3]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for eager in (False, True):
+        with LLM(
+            str(path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64,
+            num_gpu_blocks_override=128, enforce_eager=eager,
+        ) as llm:  # fmt: skip
+            model = llm.llm_engine.engine_core.executor.worker.runner.model
+            linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+            packed = [getattr(m, "packed_weights", None) for m in linears]
+            assert packed and all(isinstance(p, w4_gemv_cuda.RepackedWeights) for p in packed)
+            done = llm.generate(prompts, params, use_tqdm=False)
+            outputs.append([list(o.outputs[0].token_ids) for o in done])
+    assert outputs[0] == outputs[1]

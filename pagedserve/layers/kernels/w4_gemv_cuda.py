@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from pagedserve.layers.quantization.packed import PackedWeights, unpack_int32
 
@@ -44,13 +46,20 @@ CHUNK_K = 64  # K rows of one lane's 16-byte load
 # Aim for this many warps per SM (loads in flight) when choosing the warps of a block; gives
 # the H200 sweep's best (benchmarks/w4_gemv_cuda.py --sweep): qkv 8, o 16, gate_up 4, down 16.
 WARPS_PER_SM = 16
-_SOURCE = Path(__file__).with_name("w4_gemv.cu")
+_SOURCES = [Path(__file__).with_name(name) for name in ("w4_gemv.cu", "w4_gemm.cu")]
 _LOADED: dict[str, object] = {}  # "module": the extension, once built
 _DECLARATION = """
 void w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
                  int64_t unroll);
+void w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                 std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
+                 torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
+                 int64_t split, int64_t mt, int64_t nt);
+void w4_dequant_out(torch::Tensor qweight, torch::Tensor scales,
+                    std::optional<torch::Tensor> zeros, torch::Tensor out, int64_t group_size,
+                    int64_t zero_value);
 """
 
 
@@ -85,8 +94,8 @@ def load(verbose: bool = False) -> object:
     module = load_inline(  # type: ignore[no-untyped-call]
         name=f"pagedserve_w4_gemv_sm{arch}",
         cpp_sources=[_DECLARATION],
-        cuda_sources=[_SOURCE.read_text()],
-        functions=["w4_gemv_out"],
+        cuda_sources=["\n".join(source.read_text() for source in _SOURCES)],
+        functions=["w4_gemv_out", "w4_gemm_out", "w4_dequant_out"],
         extra_cuda_cflags=flags,
         build_directory=str(build_dir),
         verbose=verbose,
@@ -97,10 +106,10 @@ def load(verbose: bool = False) -> object:
     return module
 
 
-def supports(w: PackedWeights, x: torch.Tensor) -> bool:
-    """Whether `w4_gemv` takes this weight and input (else the caller falls back): 4-bit, no
-    act-order, groups of a multiple of 32 rows (or one group), 1..8 rows of fp16/bf16 x."""
-    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+def supports_weight(w: PackedWeights) -> bool:
+    """Whether the kernels take this weight: 4-bit, no act-order, groups of a multiple of 32
+    rows (or one group), fp16/bf16 scales, int16 or constant zero points, on a CUDA device
+    where the extension can be built."""
     return (
         w.bits == 4
         and w.g_idx is None
@@ -108,11 +117,21 @@ def supports(w: PackedWeights, x: torch.Tensor) -> bool:
         and (w.group_size % 32 == 0 or w.scales.size(0) == 1)
         and w.scales.dtype in (torch.float16, torch.bfloat16)
         and (w.zeros is None or w.zeros.dtype == torch.int16)
+        and w.scales.is_cuda
+        and available()
+    )
+
+
+def supports(w: PackedWeights, x: torch.Tensor) -> bool:
+    """Whether `w4_gemv` takes this weight and input (else the caller falls back):
+    `supports_weight` and 1..8 rows of fp16/bf16 x on the GPU."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return (
+        x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
         and 1 <= x2.size(0) <= MAX_M
         and x2.size(1) == w.in_features
-        and x.is_cuda
-        and available()
+        and supports_weight(w)
     )
 
 
@@ -146,7 +165,7 @@ def pick_num_warps(n: int, k: int) -> int:
 
 def w4_gemv(
     x: torch.Tensor,  # [..., K] float16 / bfloat16, at most MAX_M rows
-    w: PackedWeights,
+    w: "PackedWeights | RepackedWeights",
     repacked: torch.Tensor,  # repack(w)
     bias: torch.Tensor | None = None,  # [N]
     num_warps: int | None = None,  # default: pick_num_warps
@@ -166,3 +185,117 @@ def w4_gemv(
         x2, repacked, w.scales, w.zeros, bias, out, w.group_size, w.zero_value, num_warps, unroll
     )
     return out.reshape(*x.shape[:-1], n)
+
+
+# Rows of x from which dequantize + cuBLAS replaces `w4_gemm`: on the H200 the GEMM won at
+# M = 64 (one Llama-8B layer's linears 0.21 ms against 0.27) and lost at M = 128 (0.39 against
+# 0.28; BENCHMARKS.md, issue 15, session 5).
+GEMM_MAX_M = 65
+# Columns of a block are (warps, nt) = (8, 1) or (4, 2) up to this N, else (4, 2) / (8, 2):
+# the H200 sweep's winners (benchmarks/w4_gemv_cuda.py --sweep, M = 16 / 32 / 64).
+GEMM_NARROW_N = 8192
+
+
+def pick_gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(num_warps, split, mt, nt) of `w4_gemm` for M rows of x: m16 tiles per block by M,
+    block widths after the H200 sweep (GEMM_NARROW_N), and split-K until the grid has about 4
+    blocks per SM (2 from M = 33, where a block's MMAs take longer), each split keeping at least
+    4 chunks (256 rows of K), at most 8 splits (the fp32 partial sums cost traffic)."""
+    num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    narrow = n <= GEMM_NARROW_N
+    if m <= 16:
+        mt, (warps, nt) = 1, ((8, 1) if narrow else (4, 2))
+    elif m <= 32:
+        mt, (warps, nt) = 2, (4, 2)
+    else:
+        mt, (warps, nt) = 4, ((4, 1) if narrow else (8, 2))
+    blocks = -(-n // (TILE_N * nt * warps)) * -(-m // (16 * mt))
+    target = (4 if m <= 32 else 2) * num_sms
+    split = max(1, min(-(-target // blocks), -(-k // CHUNK_K) // 4, 8))
+    return warps, split, mt, nt
+
+
+def w4_gemm(
+    x: torch.Tensor,  # [M, K] float16 / bfloat16
+    w: "PackedWeights | RepackedWeights",
+    repacked: torch.Tensor,  # repack(w)
+    scales: torch.Tensor,  # [G, N] w.scales in x's dtype
+    bias: torch.Tensor | None = None,  # [N]
+    config: tuple[int, int, int, int] | None = None,  # (num_warps, split, mt, nt)
+) -> torch.Tensor:  # [M, N], x's dtype
+    """x @ W^T (+ bias) on tensor cores for more than MAX_M rows (w4_gemm.cu): each weight is
+    (q - z) * scale rounded to x's dtype, the products summed in fp32. For a weight that
+    `supports_weight`, with N a multiple of 8 and 16-byte aligned scales / zeros (as
+    `RepackedWeights` holds them); raises RuntimeError from the extension otherwise."""
+    m, k = x.shape
+    n = w.out_features
+    if x.stride(-1) != 1 or x.stride(0) != k or x.data_ptr() % 16 != 0:
+        x = x.clone(memory_format=torch.contiguous_format)  # 16-byte copies of x rows
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    warps, split, mt, nt = config or pick_gemm_config(m, n, k)
+    load().w4_gemm_out(  # type: ignore[attr-defined]
+        x, repacked, scales, w.zeros, bias, out, w.group_size, w.zero_value, warps, split, mt, nt
+    )
+    return out
+
+
+def dequantize_repacked(
+    w: "PackedWeights | RepackedWeights",
+    repacked: torch.Tensor,  # repack(w)
+    scales: torch.Tensor,  # [G, N] in the output dtype
+) -> torch.Tensor:  # [N, K] in scales' dtype: W, as F.linear takes it
+    """The float weight from the repacked layout, each element (q - zero) * scale in fp32
+    rounded to scales' dtype (for large M: then cuBLAS)."""
+    out = torch.empty(w.out_features, w.in_features, dtype=scales.dtype, device=repacked.device)
+    load().w4_dequant_out(  # type: ignore[attr-defined]
+        repacked, scales, w.zeros, out, w.group_size, w.zero_value
+    )
+    return out
+
+
+class RepackedWeights(nn.Module):
+    """A 4-bit GPTQ / AWQ weight in these kernels' layout only: `repacked` (module docstring)
+    replaces `PackedWeights.qweight`, which is dropped so the weight is held once; `scales`
+    [G, N] are in the activation dtype. Built at load from a `PackedWeights` that
+    `supports_weight`; `w4_linear` is its matmul for every M."""
+
+    g_idx = None  # no act-order (supports_weight)
+    perm = None
+
+    def __init__(self, w: PackedWeights, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.bits, self.group_size, self.zero_value = 4, w.group_size, w.zero_value
+        self.in_features, self.out_features = w.in_features, w.out_features
+        self.repacked = nn.Parameter(repack(w), requires_grad=False)
+        # fresh tensors: 16-byte aligned for the GEMM's copies
+        self.scales = nn.Parameter(w.scales.to(dtype, copy=True), requires_grad=False)
+        zeros = None if w.zeros is None else w.zeros.clone()
+        self.zeros = None if zeros is None else nn.Parameter(zeros, requires_grad=False)
+
+
+def w4_linear(
+    x: torch.Tensor,  # [..., K] in the scales' dtype
+    w: RepackedWeights,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N], x's dtype
+    """x @ W^T (+ bias) for any number of rows M of x: `w4_gemv` for M <= MAX_M, `w4_gemm`
+    below GEMM_MAX_M (N a multiple of 8), else `dequantize_repacked` and cuBLAS. x in another
+    dtype than the scales (not what a model built with them passes) takes the dequantized path
+    in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.size(0)
+    if x.dtype != w.scales.dtype:
+        weight = dequantize_repacked(w, w.repacked, w.scales).to(x.dtype)
+        out = F.linear(x2, weight, bias)
+    elif m <= MAX_M and m > 0:
+        out = w4_gemv(x2, w, w.repacked, bias)
+    elif m < GEMM_MAX_M and w.out_features % 8 == 0:
+        out = w4_gemm(x2, w, w.repacked, w.scales, bias)
+    else:
+        weight = dequantize_repacked(w, w.repacked, w.scales)
+        out = F.linear(x2, weight, bias)
+    return out.reshape(*x.shape[:-1], out.size(-1))

@@ -130,11 +130,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 
 class DequantizingLinearMethod(LinearMethodBase):
-    """A packed-integer method (GPTQ, AWQ) with two `apply` paths:
+    """A packed-integer method (GPTQ, AWQ) with three `apply` paths:
 
-    - CUDA with Triton: `process_weights_after_loading` converts the checkpoint tensors
-      (`checkpoint_tensors`, then removed from the layer) into `PackedWeights`, kept as the
-      layer's submodule `packed_weights`, and `apply` runs the Triton GEMM
+    - CUDA, 4-bit without act-order, fp16/bf16, nvcc present: `process_weights_after_loading`
+      converts the checkpoint tensors (`checkpoint_tensors`, then removed from the layer) into
+      the CUDA kernels' `RepackedWeights`, kept as the layer's submodule `packed_weights`, and
+      `apply` runs `pagedserve.layers.kernels.w4_gemv_cuda.w4_linear` (GEMV, tensor-core GEMM,
+      or dequantize + cuBLAS by M).
+    - other CUDA cases with Triton: `PackedWeights` as `packed_weights`, and the Triton GEMM
       (`pagedserve.layers.kernels.quant_gemm.quant_linear`).
     - otherwise (CPU, or no Triton): the torch reference, which dequantizes this rank's weight
       and runs a dense matmul; the checkpoint tensors stay as loaded. The GPU kernels are
@@ -153,8 +156,10 @@ class DequantizingLinearMethod(LinearMethodBase):
         return None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Repack for the Triton kernels when the weights are on a CUDA device and Triton is
-        importable (once; a later call is a no-op); CPU tensors are left untouched."""
+        """Repack for the GPU kernels when the weights are on a CUDA device and Triton is
+        importable (once; a later call is a no-op): the CUDA W4A16 kernels' layout where they
+        take the weight (`_cuda_repacked`), else the Triton kernels'. CPU tensors are left
+        untouched."""
         if hasattr(layer, "packed_weights") or not self.checkpoint_tensors:
             return
         if not use_quant_kernels(layer_tensor(layer, self.checkpoint_tensors[0])):
@@ -164,15 +169,31 @@ class DequantizingLinearMethod(LinearMethodBase):
             return
         for name in self.checkpoint_tensors:
             delattr(layer, name)
-        layer.packed_weights = packed
+        layer.packed_weights = _cuda_repacked(packed)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         packed = getattr(layer, "packed_weights", None)
-        if packed is not None:
+        if isinstance(packed, PackedWeights):
             from pagedserve.layers.kernels.quant_gemm import quant_linear
 
             return quant_linear(x, packed, bias)
+        if packed is not None:
+            from pagedserve.layers.kernels.w4_gemv_cuda import w4_linear
+
+            return w4_linear(x, packed, bias)
         out = x @ self.dequantize(layer).to(x.dtype)
         return out + bias if bias is not None else out
+
+
+def _cuda_repacked(packed: PackedWeights) -> nn.Module:
+    """The CUDA kernels' `RepackedWeights` in place of `packed` where they take it (4-bit,
+    no act-order, fp16/bf16 scales, i.e. model dtype, nvcc present, PAGEDSERVE_W4_CUDA not
+    0), else `packed` (the Triton kernels)."""
+    from pagedserve import envs
+    from pagedserve.layers.kernels import w4_gemv_cuda
+
+    if not envs.w4_cuda() or not w4_gemv_cuda.supports_weight(packed):
+        return packed
+    return w4_gemv_cuda.RepackedWeights(packed, packed.scales.dtype)
