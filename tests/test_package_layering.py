@@ -99,6 +99,7 @@ TORCH_FREE = [
     "pagedserve.step",
     "pagedserve.messages",
     "pagedserve.metrics",
+    "pagedserve.metrics_collectors",
     "pagedserve.kv_cache",
     "pagedserve.scheduler",
     "pagedserve.step_plan",
