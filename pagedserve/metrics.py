@@ -2,12 +2,10 @@
 periodic stats log line; and ours: the steps' roofline figures (MBU, MFU; see `roofline`)."""
 
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter
 
 from pagedserve.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from pagedserve.metrics_buckets import (
@@ -19,6 +17,7 @@ from pagedserve.metrics_buckets import (
     UTILIZATION_BUCKETS,
     build_1_2_5_buckets,
 )
+from pagedserve.metrics_collectors import EngineCollectors
 from pagedserve.outputs import RequestOutput
 from pagedserve.roofline import Peaks, device_peaks
 
@@ -91,34 +90,8 @@ class EngineMetrics:
             # per core, all in one registry; a sum over the label gives the server's figures.
             labels["engine"] = engine
         self.engine = engine
-        families = _families(self.registry)
-        name = "pagedserve:"
-
-        def family(kind: Any, metric: str, doc: str, extra: tuple[str, ...] = (), **kw: Any) -> Any:
-            """The collector `metric` of this registry (made by the first engine's metrics),
-            checked to have this engine's label names."""
-            label_names = (*labels, *extra)
-            collector = families.get(metric)
-            if collector is None:
-                collector = kind(name + metric, doc, label_names, registry=self.registry, **kw)
-                families[metric] = collector
-            elif tuple(collector._labelnames) != label_names:
-                raise ValueError(
-                    f"metric {metric} is registered with labels {collector._labelnames}, not "
-                    f"{label_names}: give every engine of one registry an engine label, or none"
-                )
-            return collector
-
-        def gauge(metric: str, doc: str) -> Gauge:
-            return family(Gauge, metric, doc).labels(**labels)  # type: ignore[no-any-return]
-
-        def counter(metric: str, doc: str) -> Counter:
-            return family(Counter, metric, doc).labels(**labels)  # type: ignore[no-any-return]
-
-        def histogram(metric: str, doc: str, buckets: list[float]) -> Histogram:
-            collector = family(Histogram, metric, doc, buckets=buckets)
-            return collector.labels(**labels)  # type: ignore[no-any-return]
-
+        collectors = EngineCollectors(self.registry, labels)
+        gauge, counter, histogram = collectors.gauge, collectors.counter, collectors.histogram
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
@@ -137,7 +110,7 @@ class EngineMetrics:
             "cpu_prefix_cache_hits",
             "Tokens found in the CPU tier of the prefix cache (part of prefix_cache_hits).",
         )
-        success = family(
+        success = collectors.family(
             Counter,
             "request_success",
             "Finished sequences, by finish reason.",
@@ -394,17 +367,6 @@ def engine_metrics(model_name: str, max_model_len: int, num_engines: int) -> lis
         EngineMetrics(model_name, max_model_len, first.registry, engine=str(i))
         for i in range(1, num_engines)
     ]
-
-
-_FAMILIES: "weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Any]]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _families(registry: CollectorRegistry) -> dict[str, Any]:
-    """The engine collectors made in `registry` so far, by metric name (without the
-    prefix): the engines of one registry share them, each with its own `engine` label."""
-    return _FAMILIES.setdefault(registry, {})
 
 
 @dataclass(slots=True)

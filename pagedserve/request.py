@@ -132,5 +132,34 @@ class Request:
     def use_structured_output(self) -> bool:
         return self.sampling_params.structured_outputs is not None
 
+    @property
+    def needs_output_tokens(self) -> bool:
+        """Its sampling reads its past output tokens on the host (penalties, bad words)."""
+        params = self.sampling_params
+        return params.uses_penalties or bool(params.bad_words_token_ids)
+
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """The token the step in flight samples for it is its last (length limits), so there
+        is nothing to schedule after it."""
+        pending = self.num_output_placeholders
+        return pending > 0 and (
+            self.num_output_tokens + pending >= self.max_tokens
+            or self.num_tokens + pending >= max_model_len
+        )
+
+    def check_stop(self, token_id: int, max_model_len: int) -> RequestStatus | None:
+        """The finished status its just-appended `token_id` gives it (a stop token, a length
+        limit), setting `stop_reason` for a user stop token; None while it goes on."""
+        params = self.sampling_params
+        if token_id in self.stop_token_ids and self.num_output_tokens > params.min_tokens:
+            if token_id not in params.eos_token_ids or params.ignore_eos:
+                self.stop_reason = token_id  # a user stop token, not EOS
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.all_token_ids.extend(token_ids)

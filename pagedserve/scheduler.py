@@ -2,45 +2,16 @@
 
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, field
 
 from pagedserve.config import SchedulerConfig
 from pagedserve.kv_cache.manager import KVCacheManager
 from pagedserve.messages import EngineCoreOutput
-from pagedserve.multimodal import fit_encoder_budget
 from pagedserve.request import FINISH_REASONS, Request, RequestStatus
 from pagedserve.request_queue import create_request_queue, select_victim
-from pagedserve.step import (
-    PLACEHOLDER_TOKEN_ID,
-    GrammarOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from pagedserve.step import GrammarOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedserve.step_plan import LaunchedSteps, StepPlan
 from pagedserve.structured_output.manager import StructuredOutputManager
-from pagedserve.structured_output.step_bitmask import constrained_requests, grammar_output
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    token_budget: int
-    encoder_budget: int  # embedding rows of the images this step may encode
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    scheduled: list[tuple[Request, int, list[int]]] = field(default_factory=list)
-    num_preempted: int = 0
-
-    def add(self, request: Request, num_new_tokens: int, new_block_ids: list[int]) -> None:
-        self.scheduled.append((request, num_new_tokens, new_block_ids))
-        self.token_budget -= num_new_tokens
-
-    def remove(self, request: Request) -> None:
-        """Unplan a request (preempted after it was planned): its tokens return to the budget."""
-        for i, (planned, num_new_tokens, _) in enumerate(self.scheduled):
-            if planned is request:
-                del self.scheduled[i]
-                self.token_budget += num_new_tokens
-                return
+from pagedserve.structured_output.step_bitmask import deferred_grammar_output, schedule_grammar
 
 
 class Scheduler:
@@ -96,8 +67,7 @@ class Scheduler:
         # Unfinished requests whose sampling reads their past output tokens on the host
         # (penalties, bad words): async scheduling waits for each step while there are any.
         self._num_needing_tokens = 0
-        # Steps scheduled but not yet applied: id(SchedulerOutput) -> (it, its requests).
-        self._launched: dict[int, tuple[SchedulerOutput, dict[str, Request]]] = {}
+        self._launched = LaunchedSteps()  # steps scheduled but not yet applied
         self.defer_grammar = False  # see the class docstring
         # Pipeline parallelism's batch queue: several steps in flight, each of requests whose
         # previous token is back; a request with a token in flight waits (no placeholders).
@@ -145,7 +115,7 @@ class Scheduler:
                 raise ValueError("structured outputs need a StructuredOutputManager")
             self.structured_output_manager.init_request(request)
         self.requests[request.request_id] = request
-        self._num_needing_tokens += _needs_output_tokens(request)
+        self._num_needing_tokens += request.needs_output_tokens
         self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
@@ -169,69 +139,28 @@ class Scheduler:
         """Plan one step: spend `max_num_batched_tokens` on running, then waiting requests."""
         # The encoder budget is vLLM's default, max_num_batched_tokens rows a step.
         budget = self.config.max_num_batched_tokens
-        plan = _StepPlan(token_budget=budget, encoder_budget=budget)
+        plan = StepPlan(token_budget=budget, encoder_budget=budget)
         self._schedule_running(plan)
         if plan.num_preempted == 0:
             self._schedule_waiting(plan)
-        scheduled_requests = []
-        for request, num_new_tokens, new_block_ids in plan.scheduled:
-            start = request.num_computed_tokens
-            request.num_computed_tokens += num_new_tokens
-            token_ids = request.all_token_ids[start : start + num_new_tokens]
-            if len(token_ids) < num_new_tokens:  # the token the step in flight samples
-                token_ids.append(PLACEHOLDER_TOKEN_ID)
-            sample = request.num_computed_tokens == (
-                request.num_tokens + request.num_output_placeholders
-            )
-            if sample:
-                request.num_output_placeholders += 1
-            scheduled_requests.append(
-                ScheduledRequest(
-                    request_id=request.request_id,
-                    token_ids=token_ids,
-                    num_computed_tokens=start,
-                    new_block_ids=new_block_ids,
-                    sample=sample,
-                )
-            )
+        scheduled_requests = plan.launch()
         finished_ids, self._finished_ids = self._finished_ids, set()
-        deferred = self.defer_grammar and any(
-            scheduled.sample and request.use_structured_output
-            for (request, _, _), scheduled in zip(plan.scheduled, scheduled_requests, strict=True)
+        grammar, deferred = schedule_grammar(
+            self.structured_output_manager, self.defer_grammar, plan.requests, scheduled_requests
         )
-        manager = self.structured_output_manager
-        if deferred and manager is not None and manager.uses_process:
-            # the grammar process fills these rows once the step in flight's tokens are in
-            manager.prefetch_fill(
-                constrained_requests(
-                    manager, [request for request, _, _ in plan.scheduled], scheduled_requests
-                ),
-                sum(item.sample for item in scheduled_requests),
-            )
         copies = self.kv_cache.take_block_copies()
         output = SchedulerOutput(
             plan.new_requests,
             scheduled_requests,
             finished_ids,
-            None
-            if deferred
-            else grammar_output(
-                self.structured_output_manager,
-                [request for request, _, _ in plan.scheduled],
-                scheduled_requests,
-            ),
+            grammar,
             grammar_deferred=deferred,
             blocks_to_swap_out=copies.swap_out,
             blocks_to_swap_in=copies.swap_in,
         )
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         if scheduled_requests:
-            # Which Request objects this step is for: a request id may be reused by a new
-            # request while the step is in flight (after an abort or a stop string).
-            step_requests = {r.request_id: r for r, _, _ in plan.scheduled}
-            self._launched[id(output)] = (output, step_requests)
-            while len(self._launched) > _MAX_LAUNCHED:  # outputs never applied (a failed step)
-                del self._launched[next(iter(self._launched))]
+            self._launched.add(output, plan.requests)
         return output
 
     def deferred_grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
@@ -239,26 +168,22 @@ class Scheduler:
         before has applied its tokens (call it after that `update_from_output`). A request
         that finished meanwhile (its grammar completed, a stop token, an abort) gets no row:
         its token of this step is dropped."""
-        launched = self._launched.get(id(scheduler_output))
+        step_requests = self._launched.get(scheduler_output)
         requests, items = [], []
-        if launched is not None and launched[0] is scheduler_output:
+        if step_requests is not None:
             for item in scheduler_output.scheduled_requests:
-                request = launched[1][item.request_id]
+                request = step_requests[item.request_id]
                 if self.requests.get(item.request_id) is request and not request.is_finished:
                     requests.append(request)
                     items.append(item)
-        manager = self.structured_output_manager
-        if manager is not None and manager.uses_process:
-            rows = manager.prefetched_output(constrained_requests(manager, requests, items))
-            return None if rows is None else GrammarOutput(*rows)
-        return grammar_output(manager, requests, items)
+        return deferred_grammar_output(self.structured_output_manager, requests, items)
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         """Outputs of requests finished outside a step (their grammar failed to compile)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         i = 0
         while i < len(self.running) and plan.token_budget > 0:
             request = self.running[i]
@@ -266,7 +191,7 @@ class Scheduler:
             if (
                 num_new_tokens == 0
                 or (self.skip_in_flight and request.num_output_placeholders > 0)
-                or self._ends_in_flight(request)
+                or request.ends_in_flight(self.max_model_len)
                 # its next mask needs the token in flight (async scheduling, no deferral)
                 or (
                     request.use_structured_output
@@ -274,8 +199,8 @@ class Scheduler:
                     and not self.defer_grammar
                 )
                 or not (
-                    num_new_tokens := self._fit_encoder_budget(
-                        plan, request, request.num_computed_tokens, num_new_tokens, False
+                    num_new_tokens := plan.fit_encoder_budget(
+                        request, request.num_computed_tokens, num_new_tokens, False
                     )
                 )
             ):
@@ -295,14 +220,14 @@ class Scheduler:
             plan.add(request, num_new_tokens, new_block_ids)
             i += 1
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         compiling: list[Request] = []  # skipped: their grammars are not compiled yet
         try:
             self._admit_waiting(plan, compiling)
         finally:
             self.waiting.prepend_requests(compiling)  # their places in the queue
 
-    def _admit_waiting(self, plan: _StepPlan, compiling: list[Request]) -> None:
+    def _admit_waiting(self, plan: StepPlan, compiling: list[Request]) -> None:
         while (
             self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
@@ -333,9 +258,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     return
                 num_new_tokens = plan.token_budget
-            num_new_tokens = self._fit_encoder_budget(
-                plan, request, num_hit_tokens, num_new_tokens, True
-            )
+            num_new_tokens = plan.fit_encoder_budget(request, num_hit_tokens, num_new_tokens, True)
             if num_new_tokens == 0:
                 return  # its next image waits for the next step's encoder budget
             if swapped:
@@ -364,34 +287,6 @@ class Scheduler:
                 )
             )
             plan.add(request, num_new_tokens, new_block_ids)
-
-    def _fit_encoder_budget(
-        self, plan: _StepPlan, request: Request, start: int, num_new_tokens: int, admitted: bool
-    ) -> int:
-        """`multimodal.fit_encoder_budget` for the request's chunk from prompt position
-        `start`; spends the plan's encoder budget."""
-        if not request.mm_features or num_new_tokens == 0:
-            return num_new_tokens
-        untouched = plan.encoder_budget == self.config.max_num_batched_tokens
-        num_new_tokens, cost = fit_encoder_budget(
-            request.mm_features,
-            start,
-            num_new_tokens,
-            plan.encoder_budget,
-            untouched,
-            admitted,
-        )
-        plan.encoder_budget -= cost
-        return num_new_tokens
-
-    def _ends_in_flight(self, request: Request) -> bool:
-        """The token the step in flight samples for `request` is its last (length limits),
-        so there is nothing to schedule after it."""
-        pending = request.num_output_placeholders
-        return pending > 0 and (
-            request.num_output_tokens + pending >= request.max_tokens
-            or request.num_tokens + pending >= self.max_model_len
-        )
 
     def _fail_request(self, request: Request) -> None:
         """End a request the engine cannot serve (its grammar failed to compile: the log has
@@ -423,8 +318,7 @@ class Scheduler:
         """Append sampled tokens, apply the stop rules and free finished requests."""
         outputs = []
         prompt_logprobs = runner_output.prompt_logprobs
-        launched = self._launched.pop(id(scheduler_output), None)
-        step_requests = launched[1] if launched and launched[0] is scheduler_output else None
+        step_requests = self._launched.pop(scheduler_output)
 
         def live(request_id: str) -> Request | None:
             """The request this step ran for, unless it finished while the step ran (abort,
@@ -452,7 +346,7 @@ class Scheduler:
         terminated = set() if manager is None else manager.accept_tokens(applied)
         for request, token_id, logprobs in applied:
             request_id = request.request_id
-            status = self._check_stop(request, token_id)
+            status = request.check_stop(token_id, self.max_model_len)
             if status is None and request_id in terminated:  # grammar complete: "stop"
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
@@ -483,33 +377,11 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(request_id, [], None, None, None, 0, data))
         return outputs
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if token_id in request.stop_token_ids and request.num_output_tokens > params.min_tokens:
-            if token_id not in params.eos_token_ids or params.ignore_eos:
-                request.stop_reason = token_id  # a user stop token, not EOS
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)
         del self.requests[request.request_id]
         request.num_output_placeholders = 0  # a token still in flight for it is dropped
         if self.structured_output_manager is not None:
             self.structured_output_manager.free_request(request)
-        self._num_needing_tokens -= _needs_output_tokens(request)
+        self._num_needing_tokens -= request.needs_output_tokens
         self._finished_ids.add(request.request_id)
-
-
-# Steps in flight are at most 2 (async scheduling) or pipeline_parallel_size (the batch
-# queue); older entries belong to failed steps.
-_MAX_LAUNCHED = 16
-
-
-def _needs_output_tokens(request: Request) -> bool:
-    params = request.sampling_params
-    return params.uses_penalties or bool(params.bad_words_token_ids)

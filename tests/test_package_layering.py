@@ -99,8 +99,10 @@ TORCH_FREE = [
     "pagedserve.step",
     "pagedserve.messages",
     "pagedserve.metrics",
+    "pagedserve.metrics_collectors",
     "pagedserve.kv_cache",
     "pagedserve.scheduler",
+    "pagedserve.step_plan",
     "pagedserve.models.registry",
     "pagedserve.entrypoints.openai",
 ]
@@ -108,6 +110,7 @@ TORCH_FREE = [
 FORBIDDEN = {
     "pagedserve.kv_cache": ["pagedserve.scheduler", "pagedserve.engine", "pagedserve.worker"],
     "pagedserve.scheduler": ["pagedserve.engine", "pagedserve.worker", "pagedserve.executor"],
+    "pagedserve.step_plan": ["pagedserve.engine", "pagedserve.worker", "pagedserve.executor"],
     "pagedserve.metrics": ["pagedserve.engine", "pagedserve.entrypoints"],
     "pagedserve.messages": ["pagedserve.engine", "pagedserve.scheduler", "pagedserve.worker"],
     "pagedserve.models": ["pagedserve.worker", "pagedserve.executor", "pagedserve.engine"],

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from pagedserve import scheduler as scheduler_module
+from pagedserve import step_plan
 from pagedserve.config import SchedulerConfig
 from pagedserve.request import Request, RequestStatus
 from pagedserve.request_queue import PriorityRequestQueue, RequestQueue, create_request_queue
@@ -137,14 +137,14 @@ def test_random_priority_preemptions_keep_invariants(
     accounting holds after every step, and every request still gets all its tokens.
     `pipelined` schedules step N+1 before applying step N's tokens (async scheduling)."""
     num_unplanned = 0
-    remove = scheduler_module._StepPlan.remove
+    remove = step_plan.StepPlan.remove
 
-    def counting_remove(plan: scheduler_module._StepPlan, request: Request) -> None:
+    def counting_remove(plan: step_plan.StepPlan, request: Request) -> None:
         nonlocal num_unplanned
         num_unplanned += any(planned is request for planned, _, _ in plan.scheduled)
         remove(plan, request)
 
-    monkeypatch.setattr(scheduler_module._StepPlan, "remove", counting_remove)
+    monkeypatch.setattr(step_plan.StepPlan, "remove", counting_remove)
     for seed in range(40):
         rng = random.Random(seed)
         scheduler = make_scheduler(

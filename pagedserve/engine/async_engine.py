@@ -4,7 +4,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -13,6 +12,7 @@ from pagedserve.config import ModelConfig
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_client import EngineCoreClient, wait_readable
 from pagedserve.engine.data_parallel import CoreLoads, start_cores, start_options
+from pagedserve.engine.hub import is_local
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import (
     build_processors,
@@ -67,7 +67,8 @@ class AsyncLLMEngine:
         # process's own (config, tokenizer), which took as long again on an 8B start-up. A
         # Hub id is resolved (and downloaded) here first, once, and the core reads the folder.
         # (Data-parallel cores need the config first, for their devices.)
-        early = _local(engine_args) and engine_args.data_parallel_size == 1
+        early = is_local(engine_args.model, engine_args.tokenizer)
+        early = early and engine_args.data_parallel_size == 1
         early_core = EngineCoreClient(engine_args, wait=False) if early else None
         try:
             self.config = engine_args.create_engine_config()
@@ -265,9 +266,7 @@ class AsyncLLMEngine:
             self.engine_metrics[index or 0].record_aborted(request_id, len(children))
             if self.log_requests:
                 logger.info("Aborted request %s", request_id)
-        if children and index is not None and self.dead_error is None:
-            with contextlib.suppress(EngineDeadError):
-                self.cores[index].send_abort(children)
+        self._send_abort(index, children)
 
     def _forget(self, request_id: str) -> int | None:
         """The index of the core that ran this request, which no longer counts it as
@@ -279,22 +278,23 @@ class AsyncLLMEngine:
 
     def fail_running(self, error: PagedServeError) -> None:
         """End every running request now: its stream raises `error` (a server stopping
-        after its drain period), its KV blocks are freed. Unlike a death, the engine stays
-        usable and new requests are accepted."""
-        self._end_streams(error)
-
-    def _end_streams(self, error: PagedServeError) -> None:
-        """Every pending stream raises `error`; each request's state here is forgotten and,
-        while the core lives, its KV blocks there are freed."""
+        after its drain period; the engine's death), its state here is forgotten and, while
+        the core lives, its KV blocks there are freed. Unlike a death, this leaves the engine
+        usable: new requests are accepted."""
         for request_id, stream in list(self.streams.items()):
             children = self.output_processor.abort_request(request_id)
             index = self._forget(request_id)
             self.engine_metrics[index or 0].record_aborted(request_id, len(children))
             stream.queue.put_nowait(error)
-            if children and index is not None and self.dead_error is None:
-                with contextlib.suppress(EngineDeadError):
-                    self.cores[index].send_abort(children)
+            self._send_abort(index, children)
         self.streams.clear()
+
+    def _send_abort(self, index: int | None, children: list[str]) -> None:
+        """Free the KV blocks of the engine-core requests `children` on core `index`, unless
+        there are none or the engine is dead (nothing is sent to a gone core)."""
+        if children and index is not None and self.dead_error is None:
+            with contextlib.suppress(EngineDeadError):
+                self.cores[index].send_abort(children)
 
     async def check_health(self) -> None:
         """Raise EngineDeadError if an engine core is gone."""
@@ -354,9 +354,7 @@ class AsyncLLMEngine:
         for failed in self.output_processor.pop_failed():  # one request's internal error
             self._forget(failed.request_id)
             metrics.record_aborted(failed.request_id, len(failed.child_ids), "error")
-            if failed.child_ids:
-                with contextlib.suppress(EngineDeadError):
-                    core.send_abort(failed.child_ids)
+            self._send_abort(index, failed.child_ids)
             failed_stream = self.streams.pop(failed.request_id, None)
             if failed_stream is not None:
                 error = RequestFailedError(f"request {failed.request_id} failed: {failed.error!r}")
@@ -385,7 +383,7 @@ class AsyncLLMEngine:
         if log:
             logger.error("engine failed; failing %d pending requests: %s", len(self.streams), error)
         self.dead_error = error  # set first: nothing is sent to the gone core
-        self._end_streams(EngineDeadError(str(error)))
+        self.fail_running(EngineDeadError(str(error)))
         try:
             current = asyncio.current_task()
         except RuntimeError:  # shutdown() called outside the event loop
@@ -401,10 +399,3 @@ class AsyncLLMEngine:
                 line = metrics.log_line(time.monotonic())
                 if line is not None:
                     logger.info(line)
-
-
-def _local(engine_args: EngineArgs) -> bool:
-    """Whether the model and tokenizer are local folders (nothing to resolve on the Hub)."""
-    return os.path.isdir(engine_args.model) and (
-        engine_args.tokenizer is None or os.path.isdir(engine_args.tokenizer)
-    )

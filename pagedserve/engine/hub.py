@@ -74,6 +74,12 @@ def hub_cache_dir(download_dir: str | None) -> str | None:
     return None
 
 
+def is_local(model: str, tokenizer: str | None) -> bool:
+    """Whether the model and the tokenizer (None: the model's) are local folders: nothing to
+    resolve on the Hub."""
+    return os.path.isdir(model) and (tokenizer is None or os.path.isdir(tokenizer))
+
+
 def looks_like_repo_id(name: str) -> bool:
     """Whether `name` can be a Hub id (`NAME` or `ORG/NAME`): absolute and ./ ../ ~ paths and
     names with two slashes cannot, and are taken as folders."""

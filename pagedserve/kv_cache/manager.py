@@ -6,6 +6,11 @@ from pagedserve.kv_cache.cpu_blocks import BlockCopies, CpuBlockPool, CpuHit, Cp
 from pagedserve.kv_cache.sizing import cdiv as cdiv
 from pagedserve.kv_cache.sizing import check_fits_cache as check_fits_cache
 from pagedserve.kv_cache.sizing import max_blocks_held as max_blocks_held
+from pagedserve.kv_cache.sliding_window import (
+    first_needed_block,
+    release_out_of_window,
+    window_hits,
+)
 from pagedserve.request import Request
 
 # A prefix-cache hit: a GPU block, or a block of the CPU tier that admission copies back.
@@ -133,28 +138,12 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def _window_hits(self, hashes: list[BlockHash]) -> tuple[list[Hit], int]:
-        """Sliding-window hits: a prefix of k blocks is a hit when the blocks that the next
-        query (position k * block_size) reads, those from `_first_needed_block`, are all
-        cached; the earlier ones may be gone and come back as null blocks. The longest such k
-        wins (vLLM's rule, found here by one left-to-right scan)."""
+        """`sliding_window.window_hits` among the request's cached blocks."""
         null = self.block_pool.null_block
-        assert null is not None
+        assert null is not None and self.sliding_window is not None
         cached = [self.block_pool.get_cached_block(h) for h in hashes]
-        best = run = 0  # run: cached blocks in a row ending at block i
-        for i, block in enumerate(cached):
-            run = run + 1 if block is not None else 0
-            if i + 1 - self._first_needed_block((i + 1) * self.block_size) <= run:
-                best = i + 1
-        first = self._first_needed_block(best * self.block_size)
-        hits: list[Hit] = [null] * first
-        hits += [block for block in cached[first:best] if block is not None]
-        assert len(hits) == best
-        return hits, best * self.block_size
-
-    def _first_needed_block(self, position: int) -> int:
-        """The first block that a query at `position` reads (its window's first key)."""
-        assert self.sliding_window is not None
-        return max(position - self.sliding_window + 1, 0) // self.block_size
+        hits = window_hits(cached, null, self.sliding_window, self.block_size)
+        return list(hits), len(hits) * self.block_size
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         """Count one lookup in the metrics, once the request is admitted (a request waiting
@@ -277,7 +266,7 @@ class KVCacheManager:
         saved = self.swapped[request_id]
         cpu_ids = [c for c in saved if c is not None]
         block_size = self.block_size
-        num_needed = -(-(request.num_computed_tokens + num_new_tokens) // block_size)
+        num_needed = cdiv(request.num_computed_tokens + num_new_tokens, block_size)
         num_extra = max(num_needed - len(saved), 0)
         if len(cpu_ids) + num_extra > self.block_pool.num_free_blocks:
             return None
@@ -319,20 +308,15 @@ class KVCacheManager:
         step never read again; their table entries become the null block. Blocks whose
         tokens are all known are indexed first, as `free` does."""
         blocks = self.req_to_blocks[request.request_id]
-        null = self.block_pool.null_block
-        assert null is not None
-        first = min(self._first_needed_block(request.num_computed_tokens), len(blocks))
+        null, window = self.block_pool.null_block, self.sliding_window
+        assert null is not None and window is not None
+        first = first_needed_block(request.num_computed_tokens, window, self.block_size)
+        first = min(first, len(blocks))
         if first == 0 or blocks[first - 1] is null:
             return  # released by an earlier step (the entries before are null too)
         if self._is_cacheable(request):
             self._cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
-        released = []
-        for i in range(first - 1, -1, -1):  # tail first, as `free`
-            if blocks[i] is null:
-                break
-            released.append(blocks[i])
-            blocks[i] = null
-        self.block_pool.free(released)
+        self.block_pool.free(release_out_of_window(blocks, first, null))
 
     def forget_unwritten(self, request: Request) -> None:
         """Un-index the blocks that this step's `allocate_slots` indexed for `request` ahead of

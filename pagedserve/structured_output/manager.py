@@ -17,39 +17,30 @@ With a reasoning parser (`StructuredOutputsConfig.reasoning_parser`), the mask a
 once `is_reasoning_end` holds: the thinking is free text, the answer is constrained. No torch
 here: the bitmask is a numpy array, which xgrammar fills directly.
 
-`use_grammar_process` moves the compiles and the matchers into a process of their own
-(grammar_process.py, remote_matchers.py); the engine's deferred path then sends each step's
-tokens early (`send_step_tokens`) and asks for the next step's rows when they are scheduled
+The compiles and their cache are grammar_compiler.py's. `use_grammar_process` moves the
+compiles and the matchers into a process of their own (grammar_process.py,
+remote_matchers.py); the engine's deferred path then sends each step's tokens early
+(`send_step_tokens`) and asks for the next step's rows when they are scheduled
 (`prefetch_fill`), so that the accept and the fill overlap the engine thread's own work.
 """
 
 import dataclasses
 import logging
-import os
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pagedserve.reasoning import ReasoningParser, get_reasoning_parser
 from pagedserve.request import Request
-from pagedserve.structured_output.backend_xgrammar import (
-    XgrammarBackend,
-    XgrammarGrammar,
-    constraint_key,
-)
+from pagedserve.structured_output.backend_xgrammar import XgrammarGrammar
 from pagedserve.structured_output.batch_matcher import BatchMatcher, BitmaskBuffers
+from pagedserve.structured_output.grammar_compiler import GrammarCompiler, GrammarStats
 from pagedserve.structured_output.remote_matchers import Pinning, RemoteGrammar, RemoteMatchers
 from pagedserve.structured_outputs_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-_CACHE_SIZE = 1024  # compiled grammars kept (LRU); a JSON schema's is tens of KB
 
 
 @dataclass(slots=True)
@@ -62,20 +53,6 @@ class StructuredOutputRequest:
     failed: bool = False  # the compile raised (the scheduler aborts the request)
     reasoning_ended: bool = True  # False while the thinking runs: no mask, no advance
     num_output_tokens_before: int = 0  # output tokens not fed to the grammar (the thinking)
-
-
-@dataclass(frozen=True, slots=True)
-class GrammarStats:
-    """Cumulative compile-cache counters (a miss is a compile)."""
-
-    num_cache_hits: int
-    num_cache_misses: int
-    compile_seconds: float  # summed over the compiles done
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.num_cache_hits + self.num_cache_misses
-        return self.num_cache_hits / total if total else 0.0
 
 
 class StructuredOutputManager:
@@ -102,17 +79,10 @@ class StructuredOutputManager:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
-        self.reasoning_parser = reasoning_parser
         self.disable_any_whitespace = disable_any_whitespace
-        workers = max_workers or max(1, min(8, (os.cpu_count() or 2) // 2))
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()  # the backend's creation, the counters
-        self._backend: XgrammarBackend | None = None
-        self._reasoner: ReasoningParser | None = None
-        self._cache: OrderedDict[str, Future[Any]] = OrderedDict()
-        self._num_hits = 0
-        self._num_misses = 0
-        self._compile_seconds = 0.0
+        self._compiler = GrammarCompiler(
+            load_tokenizer, vocab_size, stop_token_ids, reasoning_parser, max_workers
+        )
         self._batch_matcher: BatchMatcher | None = None
         self._bitmasks = BitmaskBuffers((vocab_size + 31) // 32)
         self._remote: RemoteMatchers | None = None  # use_grammar_process
@@ -134,6 +104,7 @@ class StructuredOutputManager:
         self._remote = RemoteMatchers(
             self._load_tokenizer, self.vocab_size, self.stop_token_ids, pin
         )
+        self._compiler.remote = self._remote
         if pin is not None:  # a GPU engine: started now, not at the first constraint
             self._remote.warm_up()
 
@@ -150,56 +121,13 @@ class StructuredOutputManager:
         assert params is not None
         if self.disable_any_whitespace and not params.disable_any_whitespace:
             params = dataclasses.replace(params, disable_any_whitespace=True)
-        key = constraint_key(params)
-        with self._lock:
-            future = self._cache.get(key)
-            if future is not None and not _failed(future):
-                self._cache.move_to_end(key)
-                self._num_hits += 1
-            else:
-                future = self._executor.submit(self._compile, params, key)
-                self._cache[key] = future
-                self._num_misses += 1
-                while len(self._cache) > _CACHE_SIZE:
-                    _, evicted = self._cache.popitem(last=False)
-                    if self._remote is not None:
-                        self._remote.evict(evicted)
-            if self._remote is not None:
-                self._remote.waits_for(future)
-        request.structured_output = StructuredOutputRequest(params, future)
+        request.structured_output = StructuredOutputRequest(params, self._compiler.submit(params))
 
     def _matched(self, state: StructuredOutputRequest) -> None:
         """The request no longer needs its compile in the grammar process (its matcher is
         made, its compile failed, or it finished first)."""
         if self._remote is not None:
             self._remote.matched(state.compiled)
-
-    def _compile(self, params: StructuredOutputsParams, key: str) -> Any:
-        """The compiled grammar (in the grammar process: its key there, once compiled)."""
-        start = time.perf_counter()
-        if self._remote is not None:
-            compiled: Any = self._remote.compile(key, params)  # RuntimeError: xgrammar's
-            if self.reasoning_parser is not None:
-                with self._lock:
-                    if self._reasoner is None:
-                        self._reasoner = get_reasoning_parser(
-                            self.reasoning_parser, self._load_tokenizer()
-                        )
-        else:
-            compiled = self._get_backend().compile(params)
-        elapsed = time.perf_counter() - start
-        with self._lock:
-            self._compile_seconds += elapsed
-        return compiled
-
-    def _get_backend(self) -> XgrammarBackend:
-        with self._lock:
-            if self._backend is None:
-                tokenizer = self._load_tokenizer()
-                self._backend = XgrammarBackend(tokenizer, self.vocab_size, self.stop_token_ids)
-                if self.reasoning_parser is not None:
-                    self._reasoner = get_reasoning_parser(self.reasoning_parser, tokenizer)
-            return self._backend
 
     def is_ready(self, request: Request) -> bool:
         """Whether the request's grammar is compiled (or failed to: see `failed`); makes its
@@ -220,20 +148,19 @@ class StructuredOutputManager:
             state.grammar = self._remote.add(compiled)
             self._matched(state)
         else:
-            assert self._backend is not None
-            state.grammar = self._backend.new_matcher(compiled)
-        if self._reasoner is not None:
+            assert self._compiler.backend is not None
+            state.grammar = self._compiler.backend.new_matcher(compiled)
+        if (reasoner := self._compiler.reasoner) is not None:
             # The chat template may close the thinking in the prompt (Qwen3 with
             # enable_thinking=False), as vLLM checks the prompt first.
-            state.reasoning_ended = self._reasoner.is_reasoning_end(request.prompt_token_ids)
+            state.reasoning_ended = reasoner.is_reasoning_end(request.prompt_token_ids)
             if not state.reasoning_ended and request.num_output_tokens:
-                state.reasoning_ended = self._reasoner.is_reasoning_end(request.output_token_ids)
+                state.reasoning_ended = reasoner.is_reasoning_end(request.output_token_ids)
         state.num_output_tokens_before = request.num_output_tokens
         return True
 
     def stats(self) -> GrammarStats:
-        with self._lock:
-            return GrammarStats(self._num_hits, self._num_misses, self._compile_seconds)
+        return self._compiler.stats()
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -295,8 +222,8 @@ class StructuredOutputManager:
         grammars = [r.structured_output.grammar for r in batch]
         tokens = [r.output_token_ids[-1] for r in batch]
         accepted = self._batch().accept([g.matcher for g in grammars], tokens)
-        assert self._backend is not None  # it made the grammars
-        stop_ids = self._backend.stop_token_ids
+        assert self._compiler.backend is not None  # it made the grammars
+        stop_ids = self._compiler.backend.stop_token_ids
         for request, grammar, token_id, ok in zip(batch, grammars, tokens, accepted, strict=True):
             if ok:
                 grammar.num_processed_tokens += 1
@@ -316,8 +243,10 @@ class StructuredOutputManager:
         if state is None or state.grammar is None:
             return False
         if not state.reasoning_ended:
-            assert self._reasoner is not None
-            state.reasoning_ended = self._reasoner.is_reasoning_end(request.output_token_ids)
+            assert self._compiler.reasoner is not None
+            state.reasoning_ended = self._compiler.reasoner.is_reasoning_end(
+                request.output_token_ids
+            )
             state.num_output_tokens_before = request.num_output_tokens
             return False
         if not state.grammar.accept_tokens([token_id]):
@@ -368,7 +297,7 @@ class StructuredOutputManager:
         request.structured_output = None
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._compiler.shutdown()
         if self._remote is not None:
             self._remote.shutdown()
 
@@ -418,7 +347,3 @@ class StructuredOutputManager:
 def _rows(requests: list[Request]) -> list[tuple[str, int]]:
     """(request id, grammar slot) of requests with RemoteGrammars."""
     return [(r.request_id, r.structured_output.grammar.slot) for r in requests]
-
-
-def _failed(future: "Future[Any]") -> bool:
-    return future.done() and future.exception() is not None

@@ -32,7 +32,8 @@ from pagedserve.worker.grammar_bitmask import apply_grammar_bitmask
 from pagedserve.worker.input_batch import CachedRequestState, ModelInput, build_model_input
 from pagedserve.worker.pp_stage import receive_intermediate, send_to_next_stage
 from pagedserve.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
-from pagedserve.worker.sampling_metadata import SamplingMetadata, SamplingStateManager
+from pagedserve.worker.sampling_metadata import SamplingStateManager
+from pagedserve.worker.sampling_tensors import SamplingMetadata
 
 
 @dataclass(frozen=True, slots=True)

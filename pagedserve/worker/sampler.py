@@ -7,7 +7,7 @@ import torch
 
 from pagedserve.messages import PromptLogprobsData
 from pagedserve.worker.penalties import apply_penalties
-from pagedserve.worker.sampling_metadata import MinTokensBans, SamplingMetadata, Truncation
+from pagedserve.worker.sampling_tensors import MinTokensBans, SamplingMetadata, Truncation
 
 _NEG_INF = float("-inf")
 _FLOAT32_MAX = torch.finfo(torch.float32).max

@@ -16,7 +16,7 @@ from pagedserve import SamplingParams
 from pagedserve.engine.core import load_tokenizer
 from pagedserve.request import Request
 from pagedserve.sampling_params import StructuredOutputsParams
-from pagedserve.structured_output import manager as manager_module
+from pagedserve.structured_output import grammar_compiler
 from pagedserve.structured_output.manager import StructuredOutputManager
 
 from .conftest import QWEN3_VOCAB_SIZE, TOKENIZER_DIR, make_llm
@@ -157,7 +157,7 @@ def test_an_evicted_grammar_still_makes_the_matchers_of_waiting_requests(
     queue) must still get one after its key leaves the compile cache: in process the cache's
     future keeps the compiled grammar; the process must not drop it while a request needs it
     (it died of a KeyError on "add", failing every request)."""
-    monkeypatch.setattr(manager_module, "_CACHE_SIZE", 1)
+    monkeypatch.setattr(grammar_compiler, "_CACHE_SIZE", 1)
     local, remote = _managers(tokenizer)
     try:
         pairs = []
@@ -186,7 +186,7 @@ def test_a_key_compiled_again_while_its_first_compile_runs_finishes_both(
     still running in the process (several compile threads: a host with 4+ cores) compiles
     twice; both requests' compiles must finish. (The process's compile futures were keyed by
     the constraint: the second replaced the first, whose request then waited forever.)"""
-    monkeypatch.setattr(manager_module, "_CACHE_SIZE", 1)
+    monkeypatch.setattr(grammar_compiler, "_CACHE_SIZE", 1)
     remote = StructuredOutputManager(
         functools.partial(load_tokenizer, str(TOKENIZER_DIR), False),
         QWEN3_VOCAB_SIZE,

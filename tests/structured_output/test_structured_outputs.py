@@ -257,7 +257,7 @@ def test_engine_waits_for_a_compile_instead_of_spinning(
     try:
         core = engine.llm_engine.engine_core
         manager = core.structured_output_manager
-        compile_once = manager._compile
+        compile_once = manager._compiler._compile
         window: list[float] = []  # when the compile started and ended
 
         def slow_compile(params: Any, key: str) -> Any:
@@ -268,7 +268,7 @@ def test_engine_waits_for_a_compile_instead_of_spinning(
             finally:
                 window.append(time.monotonic())
 
-        manager._compile = slow_compile
+        manager._compiler._compile = slow_compile
         during = 0  # schedules while the compile ran
         schedule = core.scheduler.schedule
 

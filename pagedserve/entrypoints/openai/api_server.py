@@ -11,19 +11,18 @@ from typing import Any
 
 import prometheus_client
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve import envs
 from pagedserve.engine.prompt_bound import check_prompt_chars
 from pagedserve.entrypoints.chat_media import MediaOptions
-from pagedserve.errors import EngineDeadError, PagedServeError, ServerShuttingDownError
+from pagedserve.errors import EngineDeadError, ServerShuttingDownError
 from pagedserve.version import __version__
 
 from .body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from .dashboard import add_dashboard_route
+from .error_handlers import add_error_handlers
 from .openapi import (
     BODY_ERRORS,
     GENERATION_ERRORS,
@@ -55,54 +54,11 @@ from .protocol import (
     TokenizeResponse,
 )
 from .server_metrics import add_metrics_route, add_process_metrics, instrument_http
-from .serving import Engine, OpenAIError, check_model, error_body, to_openai_error
+from .serving import Engine, OpenAIError, check_model
 from .serving_chat import TEXT_ONLY, OpenAIServingChat, chat_prompt
 from .serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger(__name__)
-
-
-def _error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(
-        error_body(error.status_code, str(error), error.param), status_code=error.status_code
-    )
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        reason = first.get("ctx", {}).get("error", "")
-        return f"the body is not valid JSON: {reason}".rstrip(": "), None
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    where = f"{param}: " if param else ""
-    return f"{where}{first.get('msg', 'invalid value')}", param
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return _error_response(OpenAIError(400, message, param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = _error_response(OpenAIError(exc.status_code, str(exc.detail)))
-        response.headers.update(exc.headers or {})  # a 405's `Allow`
-        return response
-
-    async def on_error(_: Request, exc: Exception) -> JSONResponse:
-        error = to_openai_error(exc)
-        if error.status_code >= 500:
-            logger.error("request failed: %s", exc, exc_info=error.status_code == 500)
-        return _error_response(error)
-
-    # Expected errors by class; anything else is a bug: 500, logged with its traceback.
-    for error_class in (OpenAIError, PagedServeError, Exception):
-        app.add_exception_handler(error_class, on_error)
 
 
 _DEATH_POLL_S = 0.2
@@ -177,7 +133,7 @@ def build_app(
 
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan)
     install_openapi(app)
-    _add_error_handlers(app)
+    add_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     load = ServerLoad()
     app.add_middleware(LoadMiddleware, load=load)
