@@ -3,15 +3,17 @@
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from pagedserve.config import ModelConfig
+from pagedserve.config import EngineConfig, ModelConfig
 from pagedserve.engine.arg_utils import EngineArgs
 from pagedserve.engine.core_client import EngineCoreClient, wait_readable
+from pagedserve.engine.core_proc import without_unused_imports
 from pagedserve.engine.data_parallel import CoreLoads, start_cores, start_options
 from pagedserve.engine.input_processor import PromptType
 from pagedserve.engine.llm_engine import (
@@ -70,7 +72,7 @@ class AsyncLLMEngine:
         early = _local(engine_args) and engine_args.data_parallel_size == 1
         early_core = EngineCoreClient(engine_args, wait=False) if early else None
         try:
-            self.config = engine_args.create_engine_config()
+            self.config = server_config(engine_args)
             processors = build_processors(self.config)
             dp_size = self.config.parallel_config.data_parallel_size
             if metrics is not None and dp_size > 1:
@@ -401,6 +403,39 @@ class AsyncLLMEngine:
                 line = metrics.log_line(time.monotonic())
                 if line is not None:
                     logger.info(line)
+
+
+def server_config(engine_args: EngineArgs) -> EngineConfig:
+    """The API server's EngineConfig. A local text-only model's loads as the engine core's
+    (`core_proc.without_unused_imports`: without torchvision and sklearn, 4.2 s and 1.2 s of
+    loading a Llama config on the H200 host), since this process's config and tokenizer take
+    about as long as the engine core's start (it waited 0.4 s for the core: BENCHMARKS.md,
+    issue 20). It uses transformers' image processing only for the multimodal architectures,
+    and never its `generate`."""
+    if not (_local(engine_args) and _text_only(engine_args)):
+        return engine_args.create_engine_config()
+    return without_unused_imports(engine_args.create_engine_config)
+
+
+def _text_only(engine_args: EngineArgs) -> bool:
+    """Whether the local model folder's config.json (with hf_overrides) lists its
+    architectures, none of them multimodal (`registry.MULTIMODAL_ARCHITECTURES`, as
+    `build_processors`); False where it cannot tell (the config's loading then says why)."""
+    try:
+        with open(os.path.join(engine_args.model, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    overrides = engine_args.hf_overrides
+    if isinstance(overrides, dict) and "architectures" in overrides:
+        config = overrides
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        return False
+    # Imported here: importing the API server loads no pagedserve.models module.
+    from pagedserve.models.registry import MULTIMODAL_ARCHITECTURES
+
+    return not any(a in MULTIMODAL_ARCHITECTURES for a in architectures)
 
 
 def _local(engine_args: EngineArgs) -> bool:
