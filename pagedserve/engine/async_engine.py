@@ -20,6 +20,7 @@ from pagedserve.engine.llm_engine import (
     register_request,
 )
 from pagedserve.engine.request_stream import RequestStream as RequestStream
+from pagedserve.engine.server_config import server_config
 from pagedserve.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -71,7 +72,7 @@ class AsyncLLMEngine:
         early = early and engine_args.data_parallel_size == 1
         early_core = EngineCoreClient(engine_args, wait=False) if early else None
         try:
-            self.config = engine_args.create_engine_config()
+            self.config = server_config(engine_args)
             processors = build_processors(self.config)
             dp_size = self.config.parallel_config.data_parallel_size
             if metrics is not None and dp_size > 1:

@@ -37,8 +37,8 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from pagedserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
 
@@ -96,7 +97,8 @@ def feature_from_data(data: MultiModalFeatureData) -> MultiModalFeature:
 
 
 # Packages that transformers' config modules import when installed, which the engine core
-# never uses through transformers (see `unused_imports_hidden`).
+# (and the API server of a text-only model) never uses through transformers (see
+# `unused_imports_hidden`).
 UNUSED_IMPORTS = ("torchvision", "sklearn")
 
 
@@ -110,9 +112,11 @@ def unused_imports_hidden(names: tuple[str, ...] = UNUSED_IMPORTS) -> Iterator[N
     which import sklearn: 4.2 s and 1.2 s of the 7.9 s that loading a Llama config took on
     the H200 host (`python -X importtime`), on the critical path of the server's start. (The
     config step then took 6.0 s, not 2.5 s: torch.distributed.tensor, which transformers
-    imports too, loads much of what torch._dynamo had. BENCHMARKS.md, issue 20.) The
-    engine-core process neither processes images with transformers (the API server's process
-    does) nor runs its `generate`, so it loads its config without them. Afterwards they
+    imports too, loads much of what torch._dynamo had; `engine.deferred_activations` now
+    leaves it out. BENCHMARKS.md, issue 20.) The engine-core process neither processes
+    images with transformers nor runs its `generate`, so it loads its config without them;
+    so does the API server's process for a text-only model (`engine.server_config`:
+    it processes images only for the multimodal architectures). Afterwards they
     import normally (a model's own code may use them), but transformers keeps what it saw:
     the modules it loaded meanwhile take their paths without them, and its cached
     `is_torchvision_available()` stays False in this process."""
@@ -127,19 +131,26 @@ def unused_imports_hidden(names: tuple[str, ...] = UNUSED_IMPORTS) -> Iterator[N
                 del sys.modules[name]
 
 
-def engine_config(engine_args: dict[str, Any]) -> "EngineConfig":
-    """`EngineArgs(**engine_args)`'s EngineConfig, loaded with `unused_imports_hidden`; again
-    without it where the model folder's own config code (`auto_map`, trust_remote_code)
-    imports one of them, which the API server's process loads too."""
-    from pagedserve.engine.arg_utils import EngineArgs
-
+def without_unused_imports(create: Callable[[], _T]) -> _T:
+    """`create()` (an engine config's creation) with `unused_imports_hidden`; again without
+    it where the model folder's own config code (`auto_map`, trust_remote_code) imports one
+    of them."""
     try:
         with unused_imports_hidden():
-            return EngineArgs(**engine_args).create_engine_config()
+            return create()
     except ImportError as e:
         if (e.name or "").split(".")[0] not in UNUSED_IMPORTS:
             raise
-        return EngineArgs(**engine_args).create_engine_config()
+        return create()
+
+
+def engine_config(engine_args: dict[str, Any]) -> "EngineConfig":
+    """`EngineArgs(**engine_args)`'s EngineConfig, loaded `without_unused_imports` (where
+    the model's own config code imports one of them, the API server's process loads it
+    too)."""
+    from pagedserve.engine.arg_utils import EngineArgs
+
+    return without_unused_imports(EngineArgs(**engine_args).create_engine_config)
 
 
 def run_engine_core(

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pagedserve.engine.deferred_activations import activations_deferred
 from pagedserve.errors import UnsupportedModelError
 from pagedserve.quant_files import attach_quant_config_file
 from pagedserve.sampling_params import SamplingParams, default_max_tokens
@@ -53,15 +54,17 @@ def load_hf_config(
 
     Raises UnsupportedModelError if the folder or its config.json is missing, or when the
     config needs the folder's own code (config.json's `auto_map`) and `trust_remote_code`
-    is off.
+    is off. Loads without the modeling imports that transformers' config modules pull in
+    (torch.distributed.tensor; `deferred_activations`), seconds of the server's start.
     """
     check_model_folder(model)
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(
-            model, local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        with activations_deferred():
+            config = AutoConfig.from_pretrained(
+                model, local_files_only=True, trust_remote_code=trust_remote_code
+            )
     except ValueError as e:
         raise remote_code_error(e, "model", model, "config.json") from None
     attach_quant_config_file(config, model)

@@ -103,3 +103,34 @@ def test_a_model_folders_own_config_code_may_import_them(tmp_path: Path) -> None
     )
     assert out.split() == ["OwnConfig"]
     assert "torchvision" in marker.read_text().split()
+
+
+@pytest.mark.skipif(not MODEL.is_dir(), reason="needs ../shared/models")
+def test_the_api_server_loads_a_text_models_config_without_them_too(tmp_path: Path) -> None:
+    """The API server's process (`engine.server_config`) hides them for a text-only
+    model, whose config and tokenizer it loads while the engine core starts (about as long,
+    on the H200 host); not for a multimodal one, whose images it processes with
+    transformers (torchvision's fast image processors)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    root = _stand_in(tmp_path / "site")
+    llava = tmp_path / "llava"
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    LlavaConfig(
+        text_config=LlamaConfig.from_pretrained(MODEL),
+        vision_config=vision,
+        image_token_index=2047,
+        architectures=["LlavaForConditionalGeneration"],
+    ).save_pretrained(llava)
+    for folder, expected in ((MODEL, ["LlamaConfig", "False"]), (llava, ["LlavaConfig", "True"])):
+        out = _run(
+            "import sys\nfrom pagedserve.engine.arg_utils import EngineArgs\n"
+            "from pagedserve.engine.server_config import server_config\n"
+            f"args = EngineArgs(model={str(folder)!r}, tokenizer={str(MODEL)!r})\n"
+            "config = server_config(args)\n"
+            "print(type(config.model_config.hf_config).__name__, 'torchvision' in sys.modules)\n",
+            root,
+            tmp_path / f"marker_{folder.name}",
+        )
+        assert out.split() == expected

@@ -18,13 +18,6 @@ from pagedserve.entrypoints.bench.results import (
     save_result,
     timestamp,
 )
-from pagedserve.entrypoints.bench.serve_client import (
-    CONNECTION_ERRORS,
-    benchmark,
-    check_aiohttp,
-    get_json,
-    open_session,
-)
 from pagedserve.entrypoints.bench.serve_metrics import (
     METRICS,
     calculate_metrics,
@@ -124,6 +117,7 @@ def request_body(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 async def _run(args: argparse.Namespace, max_concurrency: int | None) -> dict[str, Any]:
     from pagedserve.engine.llm_engine import load_tokenizer
+    from pagedserve.entrypoints.bench.serve_client import benchmark, get_json, open_session
 
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     card = (await get_json(f"{base_url}/v1/models", args.api_key, args.timeout))["data"][0]
@@ -173,6 +167,9 @@ async def _run(args: argparse.Namespace, max_concurrency: int | None) -> dict[st
 
 def main(args: argparse.Namespace) -> int:
     """Run `bench serve` on parsed flags; a bad dataset or flag ends it with one line."""
+    # Imported here: every `pagedserve` command builds this parser, and aiohttp takes 0.2 s.
+    from pagedserve.entrypoints.bench.serve_client import CONNECTION_ERRORS, check_aiohttp
+
     try:
         check_aiohttp()
     except ImportError as e:
