@@ -149,6 +149,26 @@ def test_w4_gemv_every_launch_config() -> None:
         assert_matches(y, x, w, None)
 
 
+def test_a_failed_build_means_the_triton_kernels(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`built()` logs a build that fails (e.g. an nvcc that cannot target the GPU) and says
+    False, so `_cuda_repacked` leaves the layer on the Triton kernels instead of crashing."""
+
+    def broken_build(verbose: bool = False) -> object:
+        raise RuntimeError("nvcc: unsupported gpu architecture")
+
+    monkeypatch.setattr(w4_gemv_cuda, "available", lambda: True)
+    monkeypatch.setattr(w4_gemv_cuda, "load", broken_build)
+    w4_gemv_cuda.built.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert not w4_gemv_cuda.built()
+        assert "unsupported gpu architecture" in caplog.text
+    finally:
+        w4_gemv_cuda.built.cache_clear()
+
+
 def gemm_weights(k: int, n: int, group_size: int, asym: bool, dtype: torch.dtype) -> tuple:
     """(w, repacked, scales in x's dtype): the GEMM takes scales in the activation dtype."""
     w = random_weights(k, n, group_size, asym, dtype, "cuda")

@@ -29,6 +29,7 @@ memory. No split-K across blocks, no workspace, no host syncs: safe in CUDA grap
 """
 
 import functools
+import logging
 import os
 import shutil
 import time
@@ -39,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.layers.quantization.packed import PackedWeights, unpack_int32
+
+logger = logging.getLogger(__name__)
 
 MAX_M = 8  # the MMA's N
 TILE_N = 16  # output columns of a block
@@ -102,8 +105,28 @@ def load(verbose: bool = False) -> object:
     )
     if verbose:
         print(f"w4_gemv_cuda: built/loaded in {time.perf_counter() - start:.1f} s")
+    logger.info(
+        "W4A16 CUDA kernels ready in %.1f s (built once per machine, cached in %s)",
+        time.perf_counter() - start,
+        build_dir,
+    )
     _LOADED["module"] = module
     return module
+
+
+@functools.cache
+def built() -> bool:
+    """Whether the extension builds and loads here (`available`, then `load`: about a minute
+    the first time on a machine). A failed build is logged, not raised: the 4-bit layers then
+    take the Triton kernels."""
+    if not available():
+        return False
+    try:
+        load()
+    except Exception as e:  # noqa: BLE001 (any build failure means "use the Triton kernels")
+        logger.warning("the W4A16 CUDA kernels did not build, using Triton's instead: %s", e)
+        return False
+    return True
 
 
 def supports_weight(w: PackedWeights) -> bool:

@@ -189,11 +189,13 @@ class DequantizingLinearMethod(LinearMethodBase):
 
 def _cuda_repacked(packed: PackedWeights) -> nn.Module:
     """The CUDA kernels' `RepackedWeights` in place of `packed` where they take it (4-bit,
-    no act-order, fp16/bf16 scales, i.e. model dtype, nvcc present, PAGEDSERVE_W4_CUDA not
-    0), else `packed` (the Triton kernels)."""
+    no act-order, fp16/bf16 scales, i.e. model dtype, the extension built, PAGEDSERVE_W4_CUDA
+    not 0), else `packed` (the Triton kernels)."""
     from pagedserve import envs
     from pagedserve.layers.kernels import w4_gemv_cuda
 
     if not envs.w4_cuda() or not w4_gemv_cuda.supports_weight(packed):
+        return packed
+    if not w4_gemv_cuda.built():  # built here, at the first such layer's load
         return packed
     return w4_gemv_cuda.RepackedWeights(packed, packed.scales.dtype)
