@@ -14,6 +14,7 @@ and the final rounding differ).
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -112,10 +113,19 @@ CASES = [  # (K, N, group_size)
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("k,n,group_size", CASES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("asym", [False, True])
+def kernel_grid(test: Any) -> Any:
+    """A gpu test over CASES x {fp16, bf16} x {symmetric, asymmetric}."""
+    for mark in (
+        pytest.mark.parametrize("asym", [False, True]),
+        pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16]),
+        pytest.mark.parametrize("k,n,group_size", CASES),
+        pytest.mark.gpu,
+    ):
+        test = mark(test)
+    return test
+
+
+@kernel_grid
 def test_w4_gemv_matches_reference(
     k: int, n: int, group_size: int, dtype: torch.dtype, asym: bool
 ) -> None:
@@ -175,10 +185,7 @@ def gemm_weights(k: int, n: int, group_size: int, asym: bool, dtype: torch.dtype
     return w, w4_gemv_cuda.repack(w), w.scales
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("k,n,group_size", CASES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("asym", [False, True])
+@kernel_grid
 def test_w4_gemm_matches_reference(
     k: int, n: int, group_size: int, dtype: torch.dtype, asym: bool
 ) -> None:
