@@ -5,6 +5,7 @@ of `generation_config.json` (vLLM's `--generation-config`)."""
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,10 @@ def load_hf_config(
     (torch.distributed.tensor; `deferred_activations`), seconds of the server's start.
     """
     check_model_folder(model)
+    start = time.perf_counter()
     from transformers import AutoConfig
 
+    imported = time.perf_counter()
     try:
         with activations_deferred():
             config = AutoConfig.from_pretrained(
@@ -67,6 +70,15 @@ def load_hf_config(
             )
     except ValueError as e:
         raise remote_code_error(e, "model", model, "config.json") from None
+    # the server's start-up breakdown (issue 20): where its "engine config" seconds go
+    logger.info(
+        "model config (%s) in %.1f s: importing transformers %.1f s, its config classes and the "
+        "file %.1f s",
+        type(config).__name__,
+        time.perf_counter() - start,
+        imported - start,
+        time.perf_counter() - imported,
+    )
     attach_quant_config_file(config, model)
     if hf_overrides:
         apply_hf_overrides(config, hf_overrides)
