@@ -179,6 +179,59 @@ def test_a_failed_build_means_the_triton_kernels(
         w4_gemv_cuda.built.cache_clear()
 
 
+def reference_weight(w: PackedWeights, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
+    """W from `PackedWeights` in plain torch: (q - zero) * scale in fp32, rounded to dtype."""
+    q = unpack_int32(w.qweight, 4, 0).float()  # [K, N]
+    groups = torch.arange(q.size(0)) // w.group_size
+    zeros = w.zeros.float()[groups] if w.zeros is not None else float(w.zero_value)
+    return ((q - zeros) * w.scales.float()[groups]).to(dtype).T
+
+
+def fake_dequant_out(
+    repacked: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    out: torch.Tensor,
+    group_size: int,
+    zero_value: int,
+) -> None:
+    """w4_gemm.cu's dequantize kernel in torch: the inverse of `repack` (its docstring's
+    layout), then (q - z) * s rounded to out's dtype; out [N, K]."""
+    tiles, chunks = repacked.shape[:2]
+    words = repacked.view(tiles, chunks, 8, 4, 2, 2).to(torch.int64) & 0xFFFFFFFF  # j c g t s h
+    nibbles = torch.stack(
+        [(words >> (4 * position)) & 0xF for position in (0, 4, 1, 5, 2, 6, 3, 7)], dim=-1
+    )  # [j, c, g, t, s, h, i]
+    q = nibbles.permute(1, 4, 3, 6, 0, 5, 2).reshape(chunks * 64, tiles * 16)  # [K_pad, N_pad]
+    n, k = out.shape
+    groups = torch.arange(k) // group_size
+    z = zeros.float()[groups] if zeros is not None else float(zero_value)
+    out.copy_(((q[:k, :n].float() - z) * scales.float()[groups]).to(out.dtype).T)
+
+
+@pytest.mark.parametrize("n", [80, 200])  # 200: the last slice ends inside a 16-column tile
+def test_dequant_linear_slices_w(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Above GEMM_MAX_M rows, W is dequantized a slice of whole tiles at a time (bounded
+    temporary): with slices of 3 tiles, every column, its scales, zero points and bias land
+    where one whole-W dequantization puts them (the kernel stood in by a torch emulation of
+    its layout, so this runs on the CPU)."""
+    torch.manual_seed(6)
+    k = 256
+    w = random_weights(k, n, 64, True, torch.bfloat16, "cpu")
+    monkeypatch.setitem(w4_gemv_cuda._LOADED, "module", type("Ext", (), {})())
+    monkeypatch.setattr(w4_gemv_cuda._LOADED["module"], "w4_dequant_out", fake_dequant_out,
+                        raising=False)  # fmt: skip
+    packed = w4_gemv_cuda.RepackedWeights(w, torch.bfloat16)
+    x = torch.randn(70, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x, reference_weight(w, torch.bfloat16), bias)
+    whole = w4_gemv_cuda.dequant_linear(x, packed, bias)  # one slice
+    monkeypatch.setattr(w4_gemv_cuda, "DEQUANT_SLICE_BYTES", 3 * 16 * 2 * k)
+    sliced = w4_gemv_cuda.dequant_linear(x, packed, bias)
+    assert torch.equal(whole, expected)
+    torch.testing.assert_close(sliced, expected, rtol=2**-7, atol=1e-2)
+
+
 def gemm_weights(k: int, n: int, group_size: int, asym: bool, dtype: torch.dtype) -> tuple:
     """(w, repacked, scales in x's dtype): the GEMM takes scales in the activation dtype."""
     w = random_weights(k, n, group_size, asym, dtype, "cuda")
@@ -230,9 +283,12 @@ def test_w4_gemm_every_launch_config() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", [96, 200])
-def test_repacked_layer_every_m(dtype: torch.dtype, n: int) -> None:
+def test_repacked_layer_every_m(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, n: int
+) -> None:
     """A GPTQ layer processed on the GPU holds `RepackedWeights` (the 4-bit weight once, no
-    qweight), and `w4_linear` serves every M: GEMV, GEMM and dequantize + cuBLAS."""
+    qweight), and `w4_linear` serves every M: GEMV, GEMM and dequantize + cuBLAS, whole or
+    a slice of tiles at a time."""
     if not w4_gemv_cuda.available():
         pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
     from pagedserve.layers.linear import RowParallelLinear
@@ -259,6 +315,10 @@ def test_repacked_layer_every_m(dtype: torch.dtype, n: int) -> None:
     for m in (1, 8, 9, 64, 100, 300):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         assert_matches(layer(x), x, w, None, rounded=m > w4_gemv_cuda.MAX_M)
+    monkeypatch.setattr(w4_gemv_cuda, "DEQUANT_SLICE_BYTES", 3 * 16 * 2 * k)  # 3-tile slices
+    for m in (100, 300):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        assert_matches(layer(x), x, w, None, rounded=True)
 
 
 @pytest.mark.gpu

@@ -197,7 +197,9 @@ def w4_gemv(
     """x @ W^T (+ bias) for decode; the caller checks `supports(w, x)` first."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1 or x2.stride(0) != x2.size(1) or x2.data_ptr() % 16 != 0:
-        x2 = x2.contiguous()  # the kernel's 16-byte loads of x rows
+        # the kernel's 16-byte loads of x rows (a contiguous view at an odd offset stays
+        # misaligned through .contiguous(): copy)
+        x2 = x2.clone(memory_format=torch.contiguous_format)
     n = w.out_features
     out = torch.empty(x2.size(0), n, dtype=x.dtype, device=x.device)
     if bias is not None and bias.dtype != x.dtype:
@@ -273,10 +275,54 @@ def dequantize_repacked(
 ) -> torch.Tensor:  # [N, K] in scales' dtype: W, as F.linear takes it
     """The float weight from the repacked layout, each element (q - zero) * scale in fp32
     rounded to scales' dtype (for large M: then cuBLAS)."""
-    out = torch.empty(w.out_features, w.in_features, dtype=scales.dtype, device=repacked.device)
+    return _dequantize(repacked, scales, w.zeros, w.in_features, w.group_size, w.zero_value)
+
+
+def _dequantize(
+    repacked: torch.Tensor,  # [N / 16 (rounded up), K_pad / 64, 32, 4] int32: some tiles
+    scales: torch.Tensor,  # [G, N] of those tiles' columns, contiguous
+    zeros: torch.Tensor | None,  # [G, N] int16, contiguous
+    k: int,
+    group_size: int,
+    zero_value: int,
+) -> torch.Tensor:  # [N, K] in scales' dtype
+    out = torch.empty(scales.size(1), k, dtype=scales.dtype, device=repacked.device)
     load().w4_dequant_out(  # type: ignore[attr-defined]
-        repacked, scales, w.zeros, out, w.group_size, w.zero_value
+        repacked, scales, zeros, out, group_size, zero_value
     )
+    return out
+
+
+# Bytes of one dequantized slice of W in `dequant_linear`: bounds the temporary that large-M
+# steps (prefill, and the decode CUDA graphs above GEMM_MAX_M rows, whose memory pool is
+# outside the profiled peak) hold, 235 MB for all of Llama-8B's gate_up otherwise.
+DEQUANT_SLICE_BYTES = 64 << 20
+
+
+def dequant_linear(
+    x: torch.Tensor,  # [M, K] in the scales' dtype
+    w: "RepackedWeights",
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """x @ W^T (+ bias) through cuBLAS on W dequantized a slice of whole 16-column tiles at a
+    time, each slice at most DEQUANT_SLICE_BYTES (one slice when W fits)."""
+    n, k = w.out_features, w.in_features
+    cols = max(TILE_N, DEQUANT_SLICE_BYTES // (2 * k) // TILE_N * TILE_N)
+    if cols >= n:
+        return F.linear(x, dequantize_repacked(w, w.repacked, w.scales), bias)
+    out = torch.empty(x.size(0), n, dtype=x.dtype, device=x.device)
+    for c0 in range(0, n, cols):
+        c1 = min(n, c0 + cols)
+        zeros = None if w.zeros is None else w.zeros[:, c0:c1].contiguous()
+        weight = _dequantize(
+            w.repacked[c0 // TILE_N : -(-c1 // TILE_N)],
+            w.scales[:, c0:c1].contiguous(),
+            zeros,
+            k,
+            w.group_size,
+            w.zero_value,
+        )
+        out[:, c0:c1] = F.linear(x, weight, None if bias is None else bias[c0:c1])
     return out
 
 
@@ -306,7 +352,8 @@ def w4_linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [..., N], x's dtype
     """x @ W^T (+ bias) for any number of rows M of x: `w4_gemv` for M <= MAX_M, `w4_gemm`
-    below GEMM_MAX_M (N a multiple of 8), else `dequantize_repacked` and cuBLAS. x in another
+    below GEMM_MAX_M (N a multiple of 8), else `dequant_linear` (cuBLAS on dequantized
+    slices). x in another
     dtype than the scales (not what a model built with them passes) takes the dequantized path
     in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -319,6 +366,5 @@ def w4_linear(
     elif m < GEMM_MAX_M and w.out_features % 8 == 0:
         out = w4_gemm(x2, w, w.repacked, w.scales, bias)
     else:
-        weight = dequantize_repacked(w, w.repacked, w.scales)
-        out = F.linear(x2, weight, bias)
+        out = dequant_linear(x2, w, bias)
     return out.reshape(*x.shape[:-1], out.size(-1))
