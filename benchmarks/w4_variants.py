@@ -3,7 +3,7 @@
 Times, with weights rotated over enough copies that none stays in L2 (the real forward
 streams every weight from HBM once), CUDA-graph replay:
   bf16      torch F.linear on bf16 weights
-  cur       pagedserve's quant_gemm as shipped (M = 1: `_gemv_words`)
+  cur       pagedserve's quant_gemm as shipped (M = 1: `quant_tiles.gemv_words`)
   fact      CUDA-core GEMV, scale and zero applied once per group on the partial sums
             (per weight: shift, and|or, subtract, fma)
   mma       tensor cores, weights unpacked straight to bf16 128 + q (exact) with no
