@@ -110,5 +110,6 @@ class LaunchedSteps:
 
     def pop(self, output: SchedulerOutput) -> dict[str, Request] | None:
         """`get`, and forget the step (its output is being applied)."""
-        launched = self._steps.pop(id(output), None)
-        return launched[1] if launched is not None and launched[0] is output else None
+        requests = self.get(output)
+        self._steps.pop(id(output), None)
+        return requests

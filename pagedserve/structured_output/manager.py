@@ -205,26 +205,22 @@ class StructuredOutputManager:
         The grammars past their reasoning advance together (`BatchMatcher.accept`): this runs
         between a step's result and the next step's bitmask, on the critical path of every
         constrained step."""
+        batch = self._past_reasoning(sampled)
         if self._remote is not None:
-            return self._accept_remote(sampled)
-        batch: list[Request] = []
+            return self._remote.accept(
+                [(r.request_id, r.structured_output.grammar, t) for r, t in batch]
+            )
         terminated: set[str] = set()
-        for request, token_id, _ in sampled:
-            state = request.structured_output
-            if state is None or state.grammar is None:
-                continue
-            if state.reasoning_ended:
-                batch.append(request)
-            elif self.accept_token(request, token_id):
-                terminated.add(request.request_id)
         if not batch:
             return terminated
-        grammars = [r.structured_output.grammar for r in batch]
-        tokens = [r.output_token_ids[-1] for r in batch]
+        grammars = [r.structured_output.grammar for r, _ in batch]
+        tokens = [r.output_token_ids[-1] for r, _ in batch]
         accepted = self._batch().accept([g.matcher for g in grammars], tokens)
         assert self._compiler.backend is not None  # it made the grammars
         stop_ids = self._compiler.backend.stop_token_ids
-        for request, grammar, token_id, ok in zip(batch, grammars, tokens, accepted, strict=True):
+        for (request, _), grammar, token_id, ok in zip(
+            batch, grammars, tokens, accepted, strict=True
+        ):
             if ok:
                 grammar.num_processed_tokens += 1
                 # Only a stop token terminates a matcher: skip 256 C++ calls a step.
@@ -234,6 +230,22 @@ class StructuredOutputManager:
             else:
                 self._escaped(request, token_id)
         return terminated
+
+    def _past_reasoning(
+        self, sampled: Sequence[tuple[Request, int, Any]]
+    ) -> list[tuple[Request, int]]:
+        """The (request, token) pairs of `sampled` whose grammars are past their thinking, in
+        order; the other constrained requests' tokens are checked here for its end."""
+        batch = []
+        for request, token_id, _ in sampled:
+            state = request.structured_output
+            if state is None or state.grammar is None:
+                continue
+            if state.reasoning_ended:
+                batch.append((request, token_id))
+            else:
+                self.accept_token(request, token_id)  # checks for the end: never terminates
+        return batch
 
     def accept_token(self, request: Request, token_id: int) -> bool:
         """Advance the request's grammar by its newly appended output token; whether the
@@ -327,21 +339,6 @@ class StructuredOutputManager:
         tokens) before the scheduler applies them; `accept_tokens` then sends them not again."""
         if self._remote is not None:
             self._remote.send_step_tokens(request_ids, token_ids)
-
-    def _accept_remote(self, sampled: Sequence[tuple[Request, int, Any]]) -> set[str]:
-        """`accept_tokens` with the grammar process (RemoteMatchers.accept); the thinking's
-        tokens are checked here for its end."""
-        assert self._remote is not None
-        batch = []
-        for request, token_id, _ in sampled:
-            state = request.structured_output
-            if state is None or state.grammar is None:
-                continue
-            if state.reasoning_ended:
-                batch.append((request.request_id, state.grammar, token_id))
-            else:
-                self.accept_token(request, token_id)
-        return self._remote.accept(batch)
 
 
 def _rows(requests: list[Request]) -> list[tuple[str, int]]:

@@ -221,7 +221,7 @@ def test_dequant_linear_slices_w(monkeypatch: pytest.MonkeyPatch, n: int) -> Non
     monkeypatch.setitem(w4_gemv_cuda._LOADED, "module", type("Ext", (), {})())
     monkeypatch.setattr(w4_gemv_cuda._LOADED["module"], "w4_dequant_out", fake_dequant_out,
                         raising=False)  # fmt: skip
-    packed = w4_gemv_cuda.RepackedWeights(w, torch.bfloat16)
+    packed = w4_gemv_cuda.RepackedWeights(w)
     x = torch.randn(70, k, dtype=torch.bfloat16)
     bias = torch.randn(n, dtype=torch.bfloat16)
     expected = torch.nn.functional.linear(x, reference_weight(w, torch.bfloat16), bias)

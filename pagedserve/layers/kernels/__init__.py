@@ -28,3 +28,9 @@ def use_quant_kernels(weight: torch.Tensor) -> bool:
     """Whether the Triton GPTQ / AWQ GEMM serves a layer whose quantized weight is `weight`:
     on a CUDA device, with Triton importable (any float activation dtype)."""
     return weight.is_cuda and _triton_importable()
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """The CUDA device's streaming multiprocessors (kernels size their grids by it)."""
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)

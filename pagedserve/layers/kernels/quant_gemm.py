@@ -25,13 +25,13 @@ No host syncs and no data-dependent shapes: safe inside CUDA graphs.
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedserve.layers.kernels import num_sms
 from pagedserve.layers.kernels.quant_tiles import (
     block_group_params,
     dequant,
@@ -81,14 +81,9 @@ def pick_config(m: int) -> GemmConfig:
     return GemmConfig(128, 128, 128, 8, 3)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _split_k(tiles: int, k_blocks: int, device: torch.device) -> int:
     """Programs along K, so that tiles * split reaches PROGRAMS_PER_SM per SM."""
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 4
     return max(1, min(PROGRAMS_PER_SM * sms // tiles, k_blocks, MAX_SPLIT_K))
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.layers.kernels import num_sms
 from pagedserve.layers.quantization.packed import PackedWeights, unpack_int32
 
 logger = logging.getLogger(__name__)
@@ -177,11 +178,11 @@ def repack(w: PackedWeights) -> torch.Tensor:  # [N_pad / 16, K_pad / 64, 32, 4]
 def pick_num_warps(n: int, k: int) -> int:
     """Warps of a block: enough that the GPU holds about WARPS_PER_SM warps per SM when there
     are few 16-column tiles, without warps left with no chunk."""
-    num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = num_sms(torch.cuda.current_device())
     num_tiles = -(-n // TILE_N)
     num_chunks = -(-k // CHUNK_K)
     for warps in (4, 8, 16):
-        if num_tiles * warps >= WARPS_PER_SM * num_sms:
+        if num_tiles * warps >= WARPS_PER_SM * sms:
             return min(warps, max(1, num_chunks))
     return min(16, max(1, num_chunks))
 
@@ -226,7 +227,7 @@ def pick_gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     block widths after the H200 sweep (GEMM_NARROW_N), and split-K until the grid has about 4
     blocks per SM (2 from M = 33, where a block's MMAs take longer), each split keeping at least
     4 chunks (256 rows of K), at most 8 splits (the fp32 partial sums cost traffic)."""
-    num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = num_sms(torch.cuda.current_device())
     narrow = n <= GEMM_NARROW_N
     if m <= 16:
         mt, (warps, nt) = 1, ((8, 1) if narrow else (4, 2))
@@ -235,7 +236,7 @@ def pick_gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     else:
         mt, (warps, nt) = 4, ((4, 1) if narrow else (8, 2))
     blocks = -(-n // (TILE_N * nt * warps)) * -(-m // (16 * mt))
-    target = (4 if m <= 32 else 2) * num_sms
+    target = (4 if m <= 32 else 2) * sms
     split = max(1, min(-(-target // blocks), -(-k // CHUNK_K) // 4, 8))
     return warps, split, mt, nt
 
@@ -329,19 +330,19 @@ def dequant_linear(
 class RepackedWeights(nn.Module):
     """A 4-bit GPTQ / AWQ weight in these kernels' layout only: `repacked` (module docstring)
     replaces `PackedWeights.qweight`, which is dropped so the weight is held once; `scales`
-    [G, N] are in the activation dtype. Built at load from a `PackedWeights` that
-    `supports_weight`; `w4_linear` is its matmul for every M."""
+    [G, N] stay in the model's dtype (the activations'), as loaded. Built at load from a
+    `PackedWeights` that `supports_weight`; `w4_linear` is its matmul for every M."""
 
     g_idx = None  # no act-order (supports_weight)
     perm = None
 
-    def __init__(self, w: PackedWeights, dtype: torch.dtype) -> None:
+    def __init__(self, w: PackedWeights) -> None:
         super().__init__()
         self.bits, self.group_size, self.zero_value = 4, w.group_size, w.zero_value
         self.in_features, self.out_features = w.in_features, w.out_features
         self.repacked = nn.Parameter(repack(w), requires_grad=False)
         # fresh tensors: 16-byte aligned for the GEMM's copies
-        self.scales = nn.Parameter(w.scales.to(dtype, copy=True), requires_grad=False)
+        self.scales = nn.Parameter(w.scales.clone(), requires_grad=False)
         zeros = None if w.zeros is None else w.zeros.clone()
         self.zeros = None if zeros is None else nn.Parameter(zeros, requires_grad=False)
 
@@ -353,9 +354,8 @@ def w4_linear(
 ) -> torch.Tensor:  # [..., N], x's dtype
     """x @ W^T (+ bias) for any number of rows M of x: `w4_gemv` for M <= MAX_M, `w4_gemm`
     below GEMM_MAX_M (N a multiple of 8), else `dequant_linear` (cuBLAS on dequantized
-    slices). x in another
-    dtype than the scales (not what a model built with them passes) takes the dequantized path
-    in x's dtype."""
+    slices). x in another dtype than the scales (not what a model built with them passes)
+    takes the dequantized path in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.size(0)
     if x.dtype != w.scales.dtype:

@@ -198,4 +198,4 @@ def _cuda_repacked(packed: PackedWeights) -> nn.Module:
         return packed
     if not w4_gemv_cuda.built():  # built here, at the first such layer's load
         return packed
-    return w4_gemv_cuda.RepackedWeights(packed, packed.scales.dtype)
+    return w4_gemv_cuda.RepackedWeights(packed)
