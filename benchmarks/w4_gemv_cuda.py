@@ -14,10 +14,10 @@ bf16 and fp16 (4-bit, group 128, fp16 scales, zero 8 as GPTQ symmetric; --asym: 
 For M > 8 it times the tensor-core GEMM (`w4_gemm`) and dequantize + cuBLAS
 (`dequantize_repacked`), checked against the reference with each weight rounded to x's dtype
 as they round it, and reports the one `w4_linear` takes for that M.
---sweep also times every (num_warps, unroll) of the GEMV, and (num_warps, split, mt, nt) of
-the GEMM, and prints the best per shape.
+--sweep also times every (num_warps, unroll, nt) of the GEMV and (num_warps, split, mt, nt, kw)
+of the GEMM, prints the best per shape and keeps every time in the JSON line's rows ("sweep").
 
-  python3 benchmarks/w4_gemv_cuda.py [--sweep] [--asym] [--m 1 --m 8] [--dtype bfloat16]
+  python3 benchmarks/w4_gemv_cuda.py [--sweep] [--asym] [--m 1 --m 8] [--dtype bfloat16] [--shape o]
 """
 
 import argparse
@@ -99,17 +99,15 @@ def bench_case(
         "dense_ms": timed(lambda i: F.linear(x, dense[i % len(dense)]), len(dense)),
         "triton_ms": timed(lambda i: quant_gemm(x, packs[i]), len(packs)),
         "cuda_ms": timed(lambda i: cu.w4_gemv(x, packs[i], repacked[i]), len(packs)),
-        "cuda_cfg": (cu.pick_num_warps(n, k), 4),
+        "cuda_cfg": cu.pick_gemv_config(n, k),
     }
-    for warps, unroll in itertools.product((4, 8, 16), (2, 4, 8)) if sweep else []:
-        t = timed(
-            lambda i, a=warps, b=unroll: cu.w4_gemv(
-                x, packs[i], repacked[i], num_warps=a, unroll=b
-            ),
-            len(packs),
-        )
+    row["default_ms"] = row["cuda_ms"]
+    for warps, (unroll, nt) in itertools.product((4, 8, 16), cu.GEMV_CONFIGS) if sweep else []:
+        config = (warps, unroll, nt)
+        t = timed(lambda i, c=config: cu.w4_gemv(x, packs[i], repacked[i], config=c), len(packs))
+        row.setdefault("sweep", {})[str(config)] = round(t, 5)
         if t < row["cuda_ms"]:
-            row["cuda_ms"], row["cuda_cfg"] = t, (warps, unroll)
+            row["cuda_ms"], row["cuda_cfg"] = t, config
     return row
 
 
@@ -118,7 +116,7 @@ def bench_gemm(
 ) -> dict[str, Any]:
     """Errors and timings of one (shape, dtype, M > MAX_M): `w4_linear`'s path for M (the
     GEMM, or dequantize + cuBLAS from GEMM_MAX_M), the Triton `quant_linear` and F.linear;
-    --sweep times every GEMM (num_warps, split, mt, nt)."""
+    --sweep times every GEMM (num_warps, split, mt, nt, kw)."""
     import torch.nn.functional as F
 
     from pagedserve.layers.kernels import w4_gemv_cuda as cu
@@ -151,10 +149,15 @@ def bench_gemm(
         "dequant_ms": timed(dequant, len(packs)),
         "cuda_cfg": cu.pick_gemm_config(m, n, k),
     }
-    mts = [mt for mt in (1, 2, 4) if mt == 1 or 16 * mt // 2 < m]  # m16 tiles a block may use
-    configs = itertools.product((4, 8), (1, 2, 4, 8), mts, (1, 2))
+    row["default_ms"] = row["gemm_ms"]
+    configs = [
+        (warps, split, mt, nt, kw)
+        for (warps, mt, nt, kw), split in itertools.product(cu.GEMM_CONFIGS, (1, 2, 4, 8))
+        if mt == 1 or 16 * mt // 2 < m  # m16 tiles a block may use
+    ]
     for config in configs if sweep else []:
         t = timed(lambda i, c=config: gemm(i, c), len(packs))
+        row.setdefault("sweep", {})[str(config)] = round(t, 5)
         if t < row["gemm_ms"]:
             row["gemm_ms"], row["cuda_cfg"] = t, config
     row["cuda_ms"] = row["gemm_ms"] if m < cu.GEMM_MAX_M else row["dequant_ms"]
@@ -165,8 +168,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, action="append", help="rows of x (default 1 2 4 8)")
     parser.add_argument("--dtype", action="append", choices=sorted(ULP))
-    parser.add_argument("--sweep", action="store_true", help="time every (num_warps, unroll)")
+    parser.add_argument("--sweep", action="store_true", help="time every launch config")
     parser.add_argument("--asym", action="store_true", help="int16 zero points")
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: all")
     args = parser.parse_args()
     import torch
 
@@ -184,6 +188,8 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     worst = 0.0
     for name, (k, n) in SHAPES.items():
+        if args.shape and name not in args.shape:
+            continue
         copies = max(2, L2_BYTES // (k * n // 2))
         packs = make_weights(k, n, copies, args.asym)
         repacked = [cu.repack(w) for w in packs]
@@ -206,6 +212,7 @@ def main() -> int:
                 print(
                     f"{name:8s} {dtype_name:8s} M={m}  dense {row['dense_ms'] * 1e3:6.1f} us  "
                     f"triton {row['triton_ms'] * 1e3:6.1f} us  cuda {row['cuda_ms'] * 1e3:6.1f} us "
+                    f"(default config {row['default_ms'] * 1e3:6.1f}) "
                     f"{k * n / 2 / row['cuda_ms'] / 1e9:5.2f} TB/s {row['cuda_cfg']}  {extra}"
                     f"err abs "
                     f"{err['max_abs']:.2e} rel {err['max_rel']:.2e} ratio {err['ratio']:.2f} "

@@ -146,17 +146,26 @@ def test_w4_gemv_matches_reference(
 
 @pytest.mark.gpu
 def test_w4_gemv_every_launch_config() -> None:
-    """The (num_warps, unroll) the benchmark sweeps give the same result: more warps than
-    chunks and chunks left over by the unrolled loop are handled."""
+    """Every (num_warps, unroll, nt) the benchmark sweeps gives the same result: more warps
+    than chunks, chunks left over by the batches, an odd number of tiles for two per block.
+    Others are a ValueError naming the built ones, and the extension itself refuses them with a
+    RuntimeError (a c10::Error thrown from its dispatch templates once crashed the process)."""
     if not w4_gemv_cuda.available():
         pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
     torch.manual_seed(1)
-    w = random_weights(1088, 48, 64, True, torch.float16, "cuda")  # 17 chunks
+    w = random_weights(1088, 40, 64, True, torch.float16, "cuda")  # 17 chunks, 3 tiles
     repacked = w4_gemv_cuda.repack(w)
     x = torch.randn(4, 1088, device="cuda", dtype=torch.bfloat16)
-    for num_warps, unroll in itertools.product((1, 4, 8, 16), (2, 4, 8)):
-        y = w4_gemv_cuda.w4_gemv(x, w, repacked, num_warps=num_warps, unroll=unroll)
+    for num_warps, (unroll, nt) in itertools.product((1, 4, 8, 16), w4_gemv_cuda.GEMV_CONFIGS):
+        y = w4_gemv_cuda.w4_gemv(x, w, repacked, config=(num_warps, unroll, nt))
         assert_matches(y, x, w, None)
+    with pytest.raises(ValueError, match="GEMV_CONFIGS"):
+        w4_gemv_cuda.w4_gemv(x, w, repacked, config=(4, 8, 1))
+    out = torch.empty(4, 40, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="not a built configuration"):
+        w4_gemv_cuda.load().w4_gemv_out(  # type: ignore[attr-defined]
+            x, repacked, w.scales, w.zeros, None, out, w.group_size, w.zero_value, 4, 8, 1
+        )
 
 
 def test_a_failed_build_means_the_triton_kernels(
@@ -266,18 +275,26 @@ def test_w4_gemm_matches_reference(
 
 @pytest.mark.gpu
 def test_w4_gemm_every_launch_config() -> None:
-    """Every (num_warps, split, mt, nt) the dispatcher can take gives the same result: warps
-    with no tile, splits of uneven length, row blocks past M."""
+    """Every built (num_warps, mt, nt, kw) with every split gives the same result: warps with
+    no tile, splits of uneven length, row blocks past M, K groups with a chunk less (17 chunks);
+    others are a ValueError, and a RuntimeError from the extension itself."""
     if not w4_gemv_cuda.available():
         pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
     torch.manual_seed(2)
     w, repacked, scales = gemm_weights(1088, 200, 64, True, torch.bfloat16)  # 17 chunks
     x = torch.randn(40, 1088, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(200, device="cuda", dtype=torch.bfloat16)
-    configs = itertools.product((1, 2, 4, 8), (1, 2, 3, 8), (1, 2, 4), (1, 2))
-    for config in configs:
+    for (warps, mt, nt, kw), split in itertools.product(w4_gemv_cuda.GEMM_CONFIGS, (1, 2, 3, 8)):
+        config = (warps, split, mt, nt, kw)
         y = w4_gemv_cuda.w4_gemm(x, w, repacked, scales, bias, config=config)
         assert_matches(y, x, w, bias, rounded=True)
+    with pytest.raises(ValueError, match="GEMM_CONFIGS"):
+        w4_gemv_cuda.w4_gemm(x, w, repacked, scales, bias, config=(2, 1, 1, 1, 1))
+    out = torch.empty(40, 200, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="not a built configuration"):
+        w4_gemv_cuda.load().w4_gemm_out(  # type: ignore[attr-defined]
+            x, repacked, scales, w.zeros, bias, out, w.group_size, w.zero_value, 2, 1, 1, 1, 1
+        )
 
 
 @pytest.mark.gpu

@@ -7,15 +7,21 @@
 // fragment serves every row of x in the block. A lane's uint4 of a chunk (words {step 0 col g,
 // step 0 col g + 8, step 1 col g, step 1 col g + 8}) is exactly its B fragments of the chunk's
 // eight MMAs per 16 rows: word 2 s + h, dequantized to the pairs (K offsets 0 1) (2 3) (4 5)
-// (6 7), is b0 b1 of the step's first k16 MMA and b0 b1 of its second. The A fragment of rows
-// g and g + 8 is one 16-byte load of x per row, x[row, 32 s + 8 t .. + 7], in the same K order.
+// (6 7), is b0 b1 of the step's first k16 MMA and b0 b1 of its second. x's A fragments are
+// ldmatrix loads from a shared-memory tile whose K order is permuted to match (GemmStage), so
+// the four registers come out in MMA order (16-byte loads of x rows in K order needed a dozen
+// register moves per MMA to build the fragments).
 // The group scale multiplies the dequantized q - z in x's dtype (scales are in x's dtype), so
 // each weight is (q - z) * s rounded once, as the reference `dequantize(w, dtype)` rounds it.
 //
 // Work split: a block's WARPS warps each own NT 16-column tiles (block: 16 NT WARPS columns),
-// all rows of an MT x 16 row block (grid z), and one K range (grid y: split-K). With split-K
-// each block writes fp32 partial sums that w4_sum_partials adds (with the bias); else the
-// block writes the output. No atomics, no host syncs: CUDA-graph safe.
+// all rows of an MT x 16 row block (grid z), and one K range (grid y: split-K). With KW > 1 the
+// block has KW groups of WARPS warps, each with its own cp.async ring, taking every KW-th chunk
+// of the range; their sums meet in shared memory at the end (more warps per SM on the same
+// columns without split-K's fp32 partials in global memory: the H200 ran 112-block grids with
+// 8 warps per SM, 12% occupancy, 60% of cycles with no eligible warp). With split-K each block
+// writes fp32 partial sums that w4_sum_partials adds (with the bias); else the block writes the
+// output. No atomics, no host syncs: CUDA-graph safe.
 
 namespace w4 {
 
@@ -33,26 +39,42 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t v, typename Dequant<T>::
   return as_u32(__hmul2(from_u32<typename Dequant<T>::T2>(v), s));
 }
 
-constexpr int kStages = 4;   // chunks in flight per block (cp.async ring)
-constexpr int kXPad = 32;    // x row stride 64 + 32 elements (192 B = 64 mod 128: no bank conflict)
+constexpr int kStages = 4;  // chunks in flight per block (cp.async ring)
+constexpr int kXPad = 8;    // x row stride 64 + 8 elements (144 B: ldmatrix's 8 rows hit 8 bank groups)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int bytes = valid ? 16 : 0;  // 0: zero-fill (rows / columns / K past the end)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
 }
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+// Four 8 x 8 16-bit matrices from shared memory, each lane's registers in m16n8k16 A-fragment
+// order (a0..a3) when lanes 8 i .. 8 i + 7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(smem_addr));
+}
 
-// Shared memory of one stage (one 64-row K chunk), in 16-byte units.
+// Shared memory of one stage (one 64-row K chunk), in 16-byte units. x's rows are stored with
+// each k32 step's K order permuted so that ldmatrix hands a lane exactly the pairs the weight
+// fragments pair it with: step offset 8 t + 2 j + e (lane t's pair j, as the repacked words
+// hold K) is stored at 8 j + 2 t + e, so that 16-byte row piece j of a step holds pair j of
+// lanes t = 0..3, which ldmatrix gives lane 4 g + t as its element pair (row g, 2 t).
 template <int MT, int NT>
 struct GemmStage {
   static constexpr int kRows = MT * 16;
   static __host__ __device__ constexpr int weights(int warps) { return warps * NT * 32; }
-  static constexpr int kXRow = (kChunkK + kXPad) * 2 / 16;  // 12
+  static constexpr int kXRow = (kChunkK + kXPad) * 2 / 16;  // 9
   static constexpr int kX = kRows * kXRow;
   static __host__ __device__ constexpr int params(int warps) {  // scales (and zeros): 2 steps
     return 2 * warps * NT * kTileN * 2 / 16;
@@ -62,8 +84,8 @@ struct GemmStage {
   }
 };
 
-template <typename T, bool HAS_ZEROS, int MT, int NT>
-__global__ void __launch_bounds__(256, 2) w4_gemm_kernel(
+template <typename T, bool HAS_ZEROS, int WARPS, int MT, int NT, int KW>
+__global__ void __launch_bounds__(WARPS * KW * 32, 16 / (WARPS * KW)) w4_gemm_kernel(  // <= 128 regs
     const T* __restrict__ x,             // [M, K]
     const uint4* __restrict__ qweight,   // [N_pad / 16, K_pad / 64, 32] uint4 (repacked)
     const T* __restrict__ scales,        // [G, N] in x's dtype
@@ -71,53 +93,87 @@ __global__ void __launch_bounds__(256, 2) w4_gemm_kernel(
     const T* __restrict__ bias,          // [N] or nullptr (no split-K)
     T* __restrict__ out,                 // [M, N] (no split-K)
     float* __restrict__ partial,         // [split, M, N] or nullptr
-    int m, int n, int k, int num_groups, int group_size, int zero_value, int chunks_per_split) {
+    int m, int n, int k, int num_groups, float inv_group, int zero_value, int chunks_per_split) {
   using T2 = typename Dequant<T>::T2;
   using Stage = GemmStage<MT, NT>;
   extern __shared__ uint4 smem[];
-  const int warps = blockDim.x / 32;
+  constexpr int warps = WARPS;
   const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
+  const int warp = (threadIdx.x / 32) % WARPS;  // in its K group
+  const int kg = threadIdx.x / (32 * WARPS);    // K group: chunks c_begin + kg, + KW, ...
+  const int tid = threadIdx.x % (32 * WARPS);   // thread in its K group
   const int g = lane / 4;
   const int t = lane % 4;
-  const int block_cols = warps * NT * kTileN;
+  constexpr int block_cols = warps * NT * kTileN;
   const int col_base = blockIdx.x * block_cols;   // the block's first output column
   const int num_tiles = (n + kTileN - 1) / kTileN;
   const int num_chunks = (k + kChunkK - 1) / kChunkK;
   const int c_begin = blockIdx.y * chunks_per_split;
   const int c_end = min(c_begin + chunks_per_split, num_chunks);
   const int row0 = blockIdx.z * Stage::kRows;
-  const int stage_size = Stage::size(warps, HAS_ZEROS);
-  const int w_units = Stage::weights(warps), p_units = Stage::params(warps);
+  const int num_iters = (c_end - c_begin + KW - 1) / KW;  // chunks per K group (the last: <=)
+  constexpr int stage_size = Stage::size(warps, HAS_ZEROS);
+  constexpr int w_units = Stage::weights(warps), p_units = Stage::params(warps);
 
-  // Issue the cp.async copies of chunk c into ring slot `slot` (every thread takes a share).
+  // What this thread copies in every chunk, from addresses that move by a fixed step per chunk:
+  // - weights: uint4 `lane` of tiles warp + j warps (j < NT), 32 uint4 per chunk;
+  // - x: pair `lane` (K 2 lane, 2 lane + 1 of the chunk) of rows warp, warp + warps, ... to
+  //   its permuted place (GemmStage);
+  // - scales / zeros: 16-byte piece `tid` of the block's [step][columns] (few threads:
+  //   p_mine).
+  // Each K group copies its own chunks into its own ring (indices within the group).
+  const uint4* w_src[NT];
+  bool w_ok[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int tile = col_base / kTileN + warp + j * warps;
+    w_ok[j] = tile < num_tiles;
+    w_src[j] = qweight + static_cast<size_t>(w_ok[j] ? tile : 0) * num_chunks * 32 + lane;
+  }
+  const int pair_step = lane / 16, pair_q = lane % 16;  // q = 4 t + j
+  const int x_dst = (32 * pair_step + 8 * (pair_q % 4) + 2 * (pair_q / 4)) * 2;  // bytes
+  static_assert(Stage::kRows % warps == 0, "whole rows of x per warp");
+  // Offsets of this lane's pair in rows warp + i warps. Copies past M or K are zero-filled
+  // from a valid address: row M - 1, and the chunk's offset dropped. M K < 2^27: ints.
+  bool x_row_ok[Stage::kRows / warps];
+  int x_off[Stage::kRows / warps];
+#pragma unroll
+  for (int i = 0; i < Stage::kRows / warps; ++i) {
+    const int row = row0 + warp + i * warps;
+    x_row_ok[i] = row < m;
+    x_off[i] = min(row, m - 1) * k + min(2 * lane, k - 2);
+  }
+
+  // Scales, then zeros: [step][8-column piece] units, at most one per thread (NT <= 4).
+  const int p_pieces = p_units / 2;
+  const bool p_mine = tid < p_units * (HAS_ZEROS ? 2 : 1);
+  const bool p_zero = tid >= p_units;
+  const int p_j = tid % p_units;
+  const int p_step = p_j / p_pieces, p_col = col_base + (p_j % p_pieces) * 8;
+  const bool p_ok = p_col < n;
+
+  uint4* ring = smem + kg * kStages * stage_size;
   auto load_chunk = [&](int c, int slot) {
-    uint4* st = smem + slot * stage_size;
-    for (int i = threadIdx.x; i < w_units; i += blockDim.x) {  // [warp][tile][lane]
-      const int tile = col_base / kTileN + i / 32;
-      const bool ok = tile < num_tiles;
-      const uint4* src = qweight + (static_cast<size_t>(ok ? tile : 0) * num_chunks + c) * 32 + i % 32;
-      cp_async16(st + i, src, ok);
+    uint4* st = ring + slot * stage_size;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {  // [warp + j warps][lane] = w_units / threads per thread
+      cp_async16(st + (warp + j * warps) * 32 + lane, w_src[j] + static_cast<size_t>(c) * 32,
+                 w_ok[j]);
     }
-    uint4* sx = st + w_units;
-    for (int i = threadIdx.x; i < Stage::kRows * 8; i += blockDim.x) {  // [row][8 pieces of 8 K]
-      const int r = i / 8, piece = i % 8;
-      const int row = row0 + r, kk = c * kChunkK + piece * 8;
-      const bool ok = row < m && kk < k;
-      const T* src = x + (ok ? static_cast<size_t>(row) * k + kk : 0);
-      cp_async16(sx + r * Stage::kXRow + piece, src, ok);
+    char* sx = reinterpret_cast<char*>(st + w_units) + warp * Stage::kXRow * 16;
+    const bool k_ok = c * kChunkK + 2 * lane < k;
+    const int k_off = k_ok ? c * kChunkK : 0;
+#pragma unroll
+    for (int i = 0; i < Stage::kRows / warps; ++i) {  // rows warp + i warps
+      cp_async4(sx + x_dst + i * warps * Stage::kXRow * 16, x + x_off[i] + k_off,
+                k_ok && x_row_ok[i]);
     }
-    uint4* sp = sx + Stage::kX;
-    for (int i = threadIdx.x; i < p_units * (HAS_ZEROS ? 2 : 1); i += blockDim.x) {
-      const int which = i / p_units, j = i % p_units;      // scales, then zeros
-      const int step = j / (p_units / 2), piece = j % (p_units / 2);
-      const int col = col_base + piece * 8;
-      const int grp = min((c * kChunkK + 32 * step) / group_size, num_groups - 1);
-      const bool ok = col < n;
-      const size_t off = ok ? static_cast<size_t>(grp) * n + col : 0;
-      const void* src = which == 0 ? static_cast<const void*>(scales + off)
-                                   : static_cast<const void*>(zeros + off);
-      cp_async16(sp + i, src, ok);
+    if (p_mine) {
+      const int grp = group_of(c * kChunkK + 32 * p_step, inv_group, num_groups - 1);
+      const size_t off = p_ok ? static_cast<size_t>(grp) * n + p_col : 0;
+      const void* src = p_zero ? static_cast<const void*>(zeros + off)
+                               : static_cast<const void*>(scales + off);
+      cp_async16(st + w_units + Stage::kX + tid, src, p_ok);
     }
   };
 
@@ -131,18 +187,26 @@ __global__ void __launch_bounds__(256, 2) w4_gemm_kernel(
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][j][h][e] = 0.f;
 
+  // ldmatrix row address of this lane: matrix lane / 8 = (rows + 8 (i & 1), piece i / 2).
+  const int lm = lane / 8, lr = lane % 8;
+  const uint32_t x_lane = ((lr + 8 * (lm & 1)) * Stage::kXRow + (lm / 2)) * 16;
+
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (c_begin + s < c_end) load_chunk(c_begin + s, s);
+    const int c = c_begin + s * KW + kg;
+    if (c < c_end) load_chunk(c, s);
     cp_async_commit();
   }
-  for (int c = c_begin; c < c_end; ++c) {
+  for (int it = 0; it < num_iters; ++it) {
     cp_async_wait<kStages - 2>();
-    __syncthreads();  // chunk c landed for every thread; slot (c - 1) is free again
-    if (c + kStages - 1 < c_end) load_chunk(c + kStages - 1, (c - c_begin + kStages - 1) % kStages);
+    __syncthreads();  // iteration it's chunks landed for every thread; slot it - 1 is free again
+    const int c_next = c_begin + (it + kStages - 1) * KW + kg;
+    if (c_next < c_end) load_chunk(c_next, (it + kStages - 1) % kStages);
     cp_async_commit();
-    const uint4* st = smem + ((c - c_begin) % kStages) * stage_size;
+    if (c_begin + it * KW + kg >= c_end) continue;  // the last iteration: no chunk (group-uniform)
+    const uint4* st = ring + (it % kStages) * stage_size;
     const uint4* sx = st + w_units;
+    const uint32_t sx_addr = static_cast<uint32_t>(__cvta_generic_to_shared(sx)) + x_lane;
     const T* sscale = reinterpret_cast<const T*>(sx + Stage::kX);
     const int16_t* szero = reinterpret_cast<const int16_t*>(sx + Stage::kX + p_units);
     uint4 wv[NT];
@@ -166,10 +230,10 @@ __global__ void __launch_bounds__(256, 2) w4_gemm_kernel(
       }
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        const uint4 x0 = sx[(16 * i + g) * Stage::kXRow + 4 * s + t];
-        const uint4 x1 = sx[(16 * i + g + 8) * Stage::kXRow + 4 * s + t];
-        const uint32_t a_lo[4] = {x0.x, x1.x, x0.y, x1.y};
-        const uint32_t a_hi[4] = {x0.z, x1.z, x0.w, x1.w};
+        uint32_t a_lo[4], a_hi[4];  // pieces (0, 1) and (2, 3) of step s, rows 16 i ..
+        const uint32_t base = sx_addr + (16 * i * Stage::kXRow + 4 * s) * 16;
+        ldmatrix_x4(a_lo, base);
+        ldmatrix_x4(a_hi, base + 2 * 16);
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -182,6 +246,40 @@ __global__ void __launch_bounds__(256, 2) w4_gemm_kernel(
     }
   }
   cp_async_wait<0>();
+  if (KW > 1) {  // groups 1.. hand their sums to group 0 through the (now idle) ring memory
+    constexpr int kAcc = MT * NT * 2 * 4;
+    float* red = reinterpret_cast<float*>(smem);  // [kAcc][KW - 1][WARPS * 32]
+    __syncthreads();
+    if (kg > 0) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int a = ((i * NT + j) * 2 + h) * 4 + e;
+              red[(a * (KW - 1) + kg - 1) * WARPS * 32 + tid] = acc[i][j][h][e];
+            }
+    }
+    __syncthreads();
+    if (kg > 0) return;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int a = ((i * NT + j) * 2 + h) * 4 + e;
+#pragma unroll
+            for (int q = 0; q < KW - 1; ++q) acc[i][j][h][e] += red[(a * (KW - 1) + q) * WARPS * 32 + tid];
+          }
+    static_assert(kAcc * (KW - 1) * WARPS * 32 * 4 <= KW * kStages * stage_size * 16,
+                  "the reduction fits in the rings");
+  }
 
   // C fragment: rows g (e 0 1) and g + 8 (e 2 3), columns 2 t and 2 t + 1 of the 8-column half.
   const int tile0 = col_base / kTileN + warp * NT;
@@ -268,17 +366,17 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qweight, const T* __
 
 #ifndef W4_NO_TORCH
 
-template <typename T, bool HAS_ZEROS, int MT, int NT>
+template <typename T, bool HAS_ZEROS, int WARPS, int MT, int NT, int KW>
 static void launch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
                         const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                         const std::optional<torch::Tensor>& bias, torch::Tensor& out,
-                        int group_size, int zero_value, int num_warps, int split) {
+                        int group_size, int zero_value, int split) {
   const int m = x.size(0), k = x.size(1), n = out.size(1);
   const int num_tiles = (n + w4::kTileN - 1) / w4::kTileN;
   const int num_chunks = (k + w4::kChunkK - 1) / w4::kChunkK;
   const int chunks_per_split = (num_chunks + split - 1) / split;
   split = (num_chunks + chunks_per_split - 1) / chunks_per_split;  // no empty split
-  const int cols_per_block = num_warps * NT;
+  const int cols_per_block = WARPS * NT;
   dim3 grid((num_tiles + cols_per_block - 1) / cols_per_block, split, (m + MT * 16 - 1) / (MT * 16));
   auto stream = at::cuda::getCurrentCUDAStream();
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
@@ -287,29 +385,32 @@ static void launch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
   const int16_t* zp = HAS_ZEROS ? reinterpret_cast<const int16_t*>(zeros->data_ptr()) : nullptr;
   const T* bp = bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
   T* op = reinterpret_cast<T*>(out.data_ptr());
-  const size_t smem = sizeof(uint4) * w4::kStages * w4::GemmStage<MT, NT>::size(num_warps, HAS_ZEROS);
-  auto kernel = w4::w4_gemm_kernel<T, HAS_ZEROS, MT, NT>;
-  static bool smem_set = false;  // once per instantiation, for the largest block (8 warps)
-  if (!smem_set) {
-    const size_t most = sizeof(uint4) * w4::kStages * w4::GemmStage<MT, NT>::size(8, HAS_ZEROS);
+  const size_t smem =
+      sizeof(uint4) * KW * w4::kStages * w4::GemmStage<MT, NT>::size(WARPS, HAS_ZEROS);
+  auto kernel = w4::w4_gemm_kernel<T, HAS_ZEROS, WARPS, MT, NT, KW>;
+  // Function attributes are per device: set once for each device this instantiation runs on
+  // (a race sets them twice, harmlessly).
+  static uint64_t attributes_set = 0;
+  const int device = x.get_device();
+  if (device >= 64 || !((attributes_set >> device) & 1)) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(most)));
+                                        static_cast<int>(smem)));
     // all of the unified L1 / shared memory as shared memory: more blocks per SM
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         cudaSharedmemCarveoutMaxShared));
-    smem_set = true;
+    if (device < 64) attributes_set |= uint64_t{1} << device;
   }
   if (split == 1) {
-    kernel<<<grid, num_warps * 32, smem, stream>>>(
-        xp, wp, sp, zp, bp, op, nullptr, m, n, k, scales.size(0), group_size, zero_value,
+    kernel<<<grid, WARPS * KW * 32, smem, stream>>>(
+        xp, wp, sp, zp, bp, op, nullptr, m, n, k, scales.size(0), 1.0f / group_size, zero_value,
         chunks_per_split);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   auto partial = torch::empty({split, m, n}, x.options().dtype(torch::kFloat32));
-  kernel<<<grid, num_warps * 32, smem, stream>>>(
+  kernel<<<grid, WARPS * KW * 32, smem, stream>>>(
       xp, wp, sp, zp, nullptr, nullptr, partial.data_ptr<float>(), m, n, k, scales.size(0),
-      group_size, zero_value, chunks_per_split);
+      1.0f / group_size, zero_value, chunks_per_split);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int mn = m * n;
   w4::w4_sum_partials<T><<<(mn + 255) / 256, 256, 0, stream>>>(partial.data_ptr<float>(), bp, op,
@@ -317,47 +418,61 @@ static void launch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Launches the built instantiation for (num_warps, mt, nt, kw); false if there is none (the
+// caller raises: see w4_gemv.cu's dispatch).
 template <typename T, bool HAS_ZEROS>
-static void dispatch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
+static bool dispatch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
                           const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                           const std::optional<torch::Tensor>& bias, torch::Tensor& out,
                           int group_size, int zero_value, int num_warps, int split, int mt,
-                          int nt) {
-#define W4_GEMM_CASE(MT, NT)                                                                 \
-  if (mt == MT && nt == NT)                                                                  \
-    return launch_gemm<T, HAS_ZEROS, MT, NT>(x, qweight, scales, zeros, bias, out, group_size, \
-                                             zero_value, num_warps, split);
-  W4_GEMM_CASE(1, 1) W4_GEMM_CASE(2, 1) W4_GEMM_CASE(4, 1)
-  W4_GEMM_CASE(1, 2) W4_GEMM_CASE(2, 2) W4_GEMM_CASE(4, 2)
+                          int nt, int kw) {
+#define W4_GEMM_CASE(WARPS, MT, NT, KW)                                                       \
+  if (num_warps == WARPS && mt == MT && nt == NT && kw == KW) {                               \
+    launch_gemm<T, HAS_ZEROS, WARPS, MT, NT, KW>(x, qweight, scales, zeros, bias, out,          \
+                                                 group_size, zero_value, split);                \
+    return true;                                                                              \
+  }
+  // w4_gemv_cuda.GEMM_CONFIGS: keep the two lists equal
+  W4_GEMM_CASE(8, 1, 1, 1) W4_GEMM_CASE(4, 1, 2, 1) W4_GEMM_CASE(4, 2, 2, 1)
+  W4_GEMM_CASE(8, 2, 1, 1) W4_GEMM_CASE(4, 4, 1, 1) W4_GEMM_CASE(8, 4, 1, 1)
+  W4_GEMM_CASE(4, 4, 2, 1) W4_GEMM_CASE(8, 4, 2, 1)
+  W4_GEMM_CASE(8, 1, 1, 2) W4_GEMM_CASE(4, 1, 2, 2) W4_GEMM_CASE(4, 4, 1, 2)
+  W4_GEMM_CASE(8, 4, 1, 2) W4_GEMM_CASE(8, 4, 2, 2)
 #undef W4_GEMM_CASE
-  TORCH_CHECK(false, "w4_gemm: (mt, nt) must be in {1, 2, 4} x {1, 2}, got ", mt, ", ", nt);
+  return false;
 }
 
 // out [M, N] = x [M, K] @ W^T (+ bias); scales in x's dtype; the caller checks shapes.
 void w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t split, int64_t mt, int64_t nt) {
-  TORCH_CHECK(num_warps >= 1 && num_warps <= 8 && split >= 1, "w4_gemm: bad warps/split");
+                 int64_t split, int64_t mt, int64_t nt, int64_t kw) {
+  TORCH_CHECK(split >= 1, "w4_gemm: bad split");
   TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "w4_gemm: scales must be in x's dtype");
   TORCH_CHECK(out.size(1) % 8 == 0 && x.size(1) % 8 == 0, "w4_gemm: N and K must be multiples of 8");
+  TORCH_CHECK(x.size(1) < (1 << 21), "w4_gemm: K must be below 2^21 (group_of), got ", x.size(1));
   for (const torch::Tensor* p : {&x, &scales}) {  // 16-byte cp.async
     TORCH_CHECK(reinterpret_cast<uintptr_t>(p->data_ptr()) % 16 == 0, "w4_gemm: unaligned input");
   }
   TORCH_CHECK(!zeros.has_value() || reinterpret_cast<uintptr_t>(zeros->data_ptr()) % 16 == 0,
               "w4_gemm: unaligned zeros");
   const bool z = zeros.has_value();
+  bool launched;
   if (x.scalar_type() == at::kHalf) {
-    if (z) return dispatch_gemm<__half, true>(x, qweight, scales, zeros, bias, out, group_size,
-                                              zero_value, num_warps, split, mt, nt);
-    return dispatch_gemm<__half, false>(x, qweight, scales, zeros, bias, out, group_size,
-                                        zero_value, num_warps, split, mt, nt);
+    launched = z ? dispatch_gemm<__half, true>(x, qweight, scales, zeros, bias, out, group_size,
+                                               zero_value, num_warps, split, mt, nt, kw)
+                 : dispatch_gemm<__half, false>(x, qweight, scales, zeros, bias, out, group_size,
+                                                zero_value, num_warps, split, mt, nt, kw);
+  } else {
+    launched = z ? dispatch_gemm<__nv_bfloat16, true>(x, qweight, scales, zeros, bias, out,
+                                                      group_size, zero_value, num_warps, split,
+                                                      mt, nt, kw)
+                 : dispatch_gemm<__nv_bfloat16, false>(x, qweight, scales, zeros, bias, out,
+                                                       group_size, zero_value, num_warps, split,
+                                                       mt, nt, kw);
   }
-  if (z) return dispatch_gemm<__nv_bfloat16, true>(x, qweight, scales, zeros, bias, out,
-                                                   group_size, zero_value, num_warps, split, mt,
-                                                   nt);
-  return dispatch_gemm<__nv_bfloat16, false>(x, qweight, scales, zeros, bias, out, group_size,
-                                              zero_value, num_warps, split, mt, nt);
+  TORCH_CHECK(launched, "w4_gemm: (num_warps, mt, nt, kw) = (", num_warps, ", ", mt, ", ", nt,
+              ", ", kw, ") is not a built configuration (w4_gemv_cuda.GEMM_CONFIGS)");
 }
 
 // W [N, K] (out) in scales' dtype from the repacked weight.

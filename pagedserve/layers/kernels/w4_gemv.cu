@@ -2,10 +2,10 @@
 // Built by w4_gemv_cuda.py (torch.utils.cpp_extension.load_inline); the layout of the repacked
 // weight and the numerics are described there.
 //
-// One block owns 16 output columns (one "tile") and its warps split the K range between them:
+// One block owns NT x 16 output columns (NT "tiles") and its warps split the K range:
 // warp w takes the 64-row chunks w, w + W, w + 2W, ... (W warps), so that the warps of a block
-// stream adjacent 512-byte pieces of the tile. Per chunk each lane loads one uint4 of weights
-// (its A fragments of four m16n8k16 MMAs) and two uint4 of x (its B fragments), dequantizes the
+// stream adjacent 512-byte pieces of a tile. Per chunk each lane loads one uint4 of weights per
+// tile (its A fragments of four m16n8k16 MMAs) and two uint4 of x (its B fragments), dequantizes the
 // words with lop3 into fp16x2 / bf16x2 values q - z (exact), and the tensor cores accumulate
 // x * (q - z) in fp32. The group's scale multiplies the chunk's fp32 sum once. The warps' sums
 // meet in shared memory at the end; no split-K across blocks, no second kernel, no atomics.
@@ -128,115 +128,168 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
-// Lane layout (m16n8k16 fragments): g = lane / 4 picks the output columns g and g + 8 of the
+// floor(row / group_size) without an integer division: (row + 0.5) * (1 / group_size) in
+// fp32 is within 2^-2 / group_size of the exact quotient for row < 2^21 (the host checks K),
+// and the quotient is 0.5 / group_size away from the next integer.
+__device__ __forceinline__ int group_of(int row, float inv_group, int last_group) {
+  return min(__float2int_rz((static_cast<float>(row) + 0.5f) * inv_group), last_group);
+}
+
+// Lane layout (m16n8k16 fragments): g = lane / 4 picks the output columns g and g + 8 of a
 // tile (A rows) and the row g of x (B column); t = lane % 4 picks the lane's 8 K rows in each
 // k32 step: 8 t .. 8 t + 7. Its uint4 of a chunk: {step 0 col g, step 0 col g + 8, step 1 col g,
 // step 1 col g + 8}.
 //
 // STEP_SCALE: groups of 32 rows (a scale per k32 step), else a scale per 64-row chunk
 // (group_size a multiple of 64, or a single group).
-template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL>
-__global__ void __launch_bounds__(512) w4_gemv_kernel(
+//
+// A block owns NT tiles (NT x 16 columns): a lane's x fragment of a chunk, its address
+// arithmetic and the loop serve NT tiles' MMAs (NT = 2 halves that overhead per weight byte;
+// NT = 1 keeps more blocks for narrow layers).
+//
+// Pipelining: a warp's chunks come in batches of UNROLL, in two register buffers: the loads of
+// batch i + 1 (weights, scales, zeros) are issued before the MMAs of batch i, so that a warp
+// keeps UNROLL x NT x 16 bytes per lane in flight while it computes. The loads have no
+// branches: a chunk past the end re-reads the last chunk (an L2 hit) and its sum is dropped.
+template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL, int NT>
+struct GemvBatch {
+  static constexpr int kSteps = STEP_SCALE ? 2 : 1;  // scale / zero rows per chunk
+  uint4 w[UNROLL][NT];
+  uint16_t s[UNROLL][NT][kSteps][2];  // raw scales of columns g, g + 8
+  int16_t z[UNROLL][NT][kSteps][2];
+};
+
+template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL, int NT>
+__global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
     const T* __restrict__ x,              // [M, K]
     const uint4* __restrict__ qweight,    // [N_pad / 16, K_pad / 64, 32] uint4 (repacked)
     const uint16_t* __restrict__ scales,  // [G, N] fp16 or bf16 (scales_bf16)
     const int16_t* __restrict__ zeros,    // [G, N] (HAS_ZEROS)
     const T* __restrict__ bias,           // [N] or nullptr
     T* __restrict__ out,                  // [M, N]
-    int m, int n, int k, int num_groups, int group_size, int zero_value, bool scales_bf16) {
-  extern __shared__ float partial[];  // [num_warps][kMaxM][kTileN]
+    int m, int n, int k, int num_groups, float inv_group, int zero_value, bool scales_bf16) {
+  using Batch = GemvBatch<T, HAS_ZEROS, STEP_SCALE, UNROLL, NT>;
+  constexpr int kSteps = Batch::kSteps;
+  constexpr int kCols = NT * kTileN;
+  extern __shared__ float partial[];  // [num_warps][kMaxM][kCols]
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int num_warps = blockDim.x / 32;
   const int g = lane / 4;
   const int t = lane % 4;
-  const int tile = blockIdx.x;
+  const int num_tiles = (n + kTileN - 1) / kTileN;
   const int num_chunks = (k + kChunkK - 1) / kChunkK;
-  const int col0 = min(tile * kTileN + g, n - 1);      // clamped: padded columns read column n-1
-  const int col1 = min(tile * kTileN + g + 8, n - 1);
-  const uint4* wtile = qweight + static_cast<size_t>(tile) * num_chunks * 32 + lane;
+  const int last_chunk = num_chunks - 1;
+  const int stride = num_warps * UNROLL;
+  const uint4* wtile[NT];
+  int col0[NT], col1[NT];  // clamped: padded columns read column n - 1
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int tile = min(blockIdx.x * NT + j, num_tiles - 1);  // a missing last tile: dropped
+    wtile[j] = qweight + static_cast<size_t>(tile) * num_chunks * 32 + lane;
+    col0[j] = min(tile * kTileN + g, n - 1);
+    col1[j] = min(tile * kTileN + g + 8, n - 1);
+  }
   const T* xrow = x + static_cast<size_t>(g) * k + 8 * t;
   const bool has_row = g < m;
 
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // (col g, row 2t), (col g, 2t+1), (g+8, 2t), (g+8, 2t+1)
-  constexpr int kSteps = STEP_SCALE ? 2 : 1;  // scale / zero rows per chunk
-  for (int c_base = warp; c_base < num_chunks; c_base += num_warps * UNROLL) {
-    uint4 wv[UNROLL];
-    uint16_t sv[UNROLL][kSteps][2];  // raw scales of columns g, g + 8
-    int16_t zv[UNROLL][kSteps][2];
-    // The batch's weights, scales and zeros first, so that UNROLL x 16 bytes of weights per
-    // lane are in flight and no HBM load waits behind an MMA.
+  auto load_batch = [&](Batch& b, int c_base) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int c = c_base + u * num_warps;
-      if (c < num_chunks) {
-        wv[u] = load_stream(wtile + static_cast<size_t>(c) * 32);
+      const int c = min(c_base + u * num_warps, last_chunk);
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-          const int grp = min((c * kChunkK + s * 32) / group_size, num_groups - 1);
-          const size_t base = static_cast<size_t>(grp) * n;
-          sv[u][s][0] = __ldg(scales + base + col0);
-          sv[u][s][1] = __ldg(scales + base + col1);
+      for (int j = 0; j < NT; ++j) b.w[u][j] = load_stream(wtile[j] + static_cast<size_t>(c) * 32);
+#pragma unroll
+      for (int st = 0; st < kSteps; ++st) {
+        const int grp = group_of(c * kChunkK + st * 32, inv_group, num_groups - 1);
+        const uint16_t* srow = scales + static_cast<size_t>(grp) * n;
+        const int16_t* zrow = zeros + static_cast<size_t>(grp) * n;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          b.s[u][j][st][0] = __ldg(srow + col0[j]);
+          b.s[u][j][st][1] = __ldg(srow + col1[j]);
           if (HAS_ZEROS) {
-            zv[u][s][0] = __ldg(zeros + base + col0);
-            zv[u][s][1] = __ldg(zeros + base + col1);
+            b.z[u][j][st][0] = __ldg(zrow + col0[j]);
+            b.z[u][j][st][1] = __ldg(zrow + col1[j]);
           }
         }
       }
     }
+  };
+
+  float acc[NT][4] = {};  // per tile: (col g, row 2t), (col g, 2t+1), (g+8, 2t), (g+8, 2t+1)
+  auto compute_batch = [&](const Batch& b, int c_base) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int c = c_base + u * num_warps;
-      if (c >= num_chunks) break;  // warp-uniform
-      const uint32_t words[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
-      // x is small and read by every block: an L1 / L2 hit, loaded here rather than with the
-      // weights to keep the registers of UNROLL chunks of x free.
+      const bool valid = c < num_chunks;  // warp-uniform
+      const int cc = min(c, last_chunk);
+      // x is small and read by every block: an L1 / L2 hit.
       uint4 xv[2];
 #pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int k0 = c * kChunkK + s * 32 + 8 * t;
-        const uint4* xp = reinterpret_cast<const uint4*>(xrow + c * kChunkK + s * 32);
-        xv[s] = (has_row && k0 < k) ? __ldg(xp) : make_uint4(0, 0, 0, 0);
+      for (int st = 0; st < 2; ++st) {
+        const int k0 = cc * kChunkK + st * 32 + 8 * t;
+        const uint4* xp = reinterpret_cast<const uint4*>(xrow + cc * kChunkK + st * 32);
+        xv[st] = (has_row && k0 < k) ? __ldg(xp) : make_uint4(0, 0, 0, 0);
       }
-      float part[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int gs = STEP_SCALE ? s : 0;
-        const int z0 = HAS_ZEROS ? zv[u][gs][0] : zero_value;
-        const int z1 = HAS_ZEROS ? zv[u][gs][1] : zero_value;
-        uint32_t a0[4], a1[4];  // columns g and g + 8: (k0,k1) (k2,k3) (k4,k5) (k6,k7)
-        Dequant<T>::run(words[2 * s], z0, a0);
-        Dequant<T>::run(words[2 * s + 1], z1, a1);
-        const uint32_t frag_lo[4] = {a0[0], a1[0], a0[1], a1[1]};
-        const uint32_t frag_hi[4] = {a0[2], a1[2], a0[3], a1[3]};
-        mma_16816<T>(part, frag_lo, xv[s].x, xv[s].y);
-        mma_16816<T>(part, frag_hi, xv[s].z, xv[s].w);
-        if (STEP_SCALE || s == 1) {
-          const float s0 = scale_to_float(sv[u][gs][0], scales_bf16);
-          const float s1 = scale_to_float(sv[u][gs][1], scales_bf16);
-          acc[0] = fmaf(part[0], s0, acc[0]);
-          acc[1] = fmaf(part[1], s0, acc[1]);
-          acc[2] = fmaf(part[2], s1, acc[2]);
-          acc[3] = fmaf(part[3], s1, acc[3]);
-          part[0] = part[1] = part[2] = part[3] = 0.f;
+      for (int j = 0; j < NT; ++j) {
+        const uint32_t words[4] = {b.w[u][j].x, b.w[u][j].y, b.w[u][j].z, b.w[u][j].w};
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int st = 0; st < 2; ++st) {
+          const int gs = STEP_SCALE ? st : 0;
+          const int z0 = HAS_ZEROS ? b.z[u][j][gs][0] : zero_value;
+          const int z1 = HAS_ZEROS ? b.z[u][j][gs][1] : zero_value;
+          uint32_t a0[4], a1[4];  // columns g and g + 8: (k0,k1) (k2,k3) (k4,k5) (k6,k7)
+          Dequant<T>::run(words[2 * st], z0, a0);
+          Dequant<T>::run(words[2 * st + 1], z1, a1);
+          const uint32_t frag_lo[4] = {a0[0], a1[0], a0[1], a1[1]};
+          const uint32_t frag_hi[4] = {a0[2], a1[2], a0[3], a1[3]};
+          mma_16816<T>(part, frag_lo, xv[st].x, xv[st].y);
+          mma_16816<T>(part, frag_hi, xv[st].z, xv[st].w);
+          if (STEP_SCALE || st == 1) {
+            const float s0 = scale_to_float(b.s[u][j][gs][0], scales_bf16);
+            const float s1 = scale_to_float(b.s[u][j][gs][1], scales_bf16);
+            if (valid) {
+              acc[j][0] = fmaf(part[0], s0, acc[j][0]);
+              acc[j][1] = fmaf(part[1], s0, acc[j][1]);
+              acc[j][2] = fmaf(part[2], s1, acc[j][2]);
+              acc[j][3] = fmaf(part[3], s1, acc[j][3]);
+            }
+            part[0] = part[1] = part[2] = part[3] = 0.f;
+          }
         }
       }
     }
+  };
+
+  Batch b0, b1;
+  load_batch(b0, warp);
+  for (int c_base = warp; c_base < num_chunks; c_base += 2 * stride) {
+    if (c_base + stride < num_chunks) load_batch(b1, c_base + stride);  // warp-uniform
+    compute_batch(b0, c_base);
+    if (c_base + stride >= num_chunks) break;
+    if (c_base + 2 * stride < num_chunks) load_batch(b0, c_base + 2 * stride);
+    compute_batch(b1, c_base + stride);
   }
 
   // The warps' sums -> shared memory [warp][row of x][column], then one thread per output.
-  float* mine = partial + warp * kMaxM * kTileN;
-  mine[(2 * t) * kTileN + g] = acc[0];
-  mine[(2 * t + 1) * kTileN + g] = acc[1];
-  mine[(2 * t) * kTileN + g + 8] = acc[2];
-  mine[(2 * t + 1) * kTileN + g + 8] = acc[3];
+  float* mine = partial + warp * kMaxM * kCols;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    mine[(2 * t) * kCols + j * kTileN + g] = acc[j][0];
+    mine[(2 * t + 1) * kCols + j * kTileN + g] = acc[j][1];
+    mine[(2 * t) * kCols + j * kTileN + g + 8] = acc[j][2];
+    mine[(2 * t + 1) * kCols + j * kTileN + g + 8] = acc[j][3];
+  }
   __syncthreads();
-  for (int i = threadIdx.x; i < kMaxM * kTileN; i += blockDim.x) {  // blocks of 1..4 warps too
-    const int row = i / kTileN;
-    const int col = tile * kTileN + i % kTileN;
+  for (int i = threadIdx.x; i < kMaxM * kCols; i += blockDim.x) {  // blocks of 1..4 warps too
+    const int row = i / kCols;
+    const int col = blockIdx.x * kCols + i % kCols;
     if (row < m && col < n) {
       float sum = 0.f;
-      for (int w = 0; w < num_warps; ++w) sum += partial[w * kMaxM * kTileN + i];
+      for (int w = 0; w < num_warps; ++w) sum += partial[w * kMaxM * kCols + i];
       if (bias != nullptr) sum += to_float(bias[col]);
       out[static_cast<size_t>(row) * n + col] = from_float<T>(sum);
     }
@@ -249,56 +302,67 @@ __global__ void __launch_bounds__(512) w4_gemv_kernel(
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/extension.h>
 
-template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL>
+template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL, int NT>
 static void launch(const torch::Tensor& x, const torch::Tensor& qweight,
                    const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                    const std::optional<torch::Tensor>& bias, torch::Tensor& out, int group_size,
                    int zero_value, int num_warps) {
   const int m = x.size(0), k = x.size(1), n = out.size(1);
   const int num_tiles = (n + w4::kTileN - 1) / w4::kTileN;
-  const size_t smem = sizeof(float) * num_warps * w4::kMaxM * w4::kTileN;
+  const size_t smem = sizeof(float) * num_warps * w4::kMaxM * w4::kTileN * NT;
   auto stream = at::cuda::getCurrentCUDAStream();
-  w4::w4_gemv_kernel<T, HAS_ZEROS, STEP_SCALE, UNROLL><<<num_tiles, num_warps * 32, smem, stream>>>(
-      reinterpret_cast<const T*>(x.data_ptr()),
-      reinterpret_cast<const uint4*>(qweight.data_ptr()),
-      reinterpret_cast<const uint16_t*>(scales.data_ptr()),
-      HAS_ZEROS ? reinterpret_cast<const int16_t*>(zeros->data_ptr()) : nullptr,
-      bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
-      reinterpret_cast<T*>(out.data_ptr()), m, n, k, scales.size(0), group_size, zero_value,
-      scales.scalar_type() == at::kBFloat16);
+  w4::w4_gemv_kernel<T, HAS_ZEROS, STEP_SCALE, UNROLL, NT>
+      <<<(num_tiles + NT - 1) / NT, num_warps * 32, smem, stream>>>(
+          reinterpret_cast<const T*>(x.data_ptr()),
+          reinterpret_cast<const uint4*>(qweight.data_ptr()),
+          reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+          HAS_ZEROS ? reinterpret_cast<const int16_t*>(zeros->data_ptr()) : nullptr,
+          bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
+          reinterpret_cast<T*>(out.data_ptr()), m, n, k, scales.size(0), 1.0f / group_size,
+          zero_value, scales.scalar_type() == at::kBFloat16);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Launches the built instantiation for (unroll, nt); false if there is none (the caller raises:
+// a c10::Error thrown from here crashed the process on the H200, one from the exported function
+// does not).
 template <typename T>
-static void dispatch(const torch::Tensor& x, const torch::Tensor& qweight,
+static bool dispatch(const torch::Tensor& x, const torch::Tensor& qweight,
                      const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                      const std::optional<torch::Tensor>& bias, torch::Tensor& out, int group_size,
-                     int zero_value, int num_warps, int unroll) {
+                     int zero_value, int num_warps, int unroll, int nt) {
   const bool step = group_size % 64 != 0 && scales.size(0) > 1;
   const bool z = zeros.has_value();
-#define W4_CASE(Z, S, U)                                                                    \
-  if (z == Z && step == S && unroll == U)                                                   \
-    return launch<T, Z, S, U>(x, qweight, scales, zeros, bias, out, group_size, zero_value, \
-                              num_warps);
-  W4_CASE(false, false, 4) W4_CASE(false, true, 4) W4_CASE(true, false, 4) W4_CASE(true, true, 4)
-  W4_CASE(false, false, 8) W4_CASE(false, true, 8) W4_CASE(true, false, 8) W4_CASE(true, true, 8)
-  W4_CASE(false, false, 2) W4_CASE(false, true, 2) W4_CASE(true, false, 2) W4_CASE(true, true, 2)
+#define W4_CASE(Z, S, U, NT)                                                                  \
+  if (z == Z && step == S && unroll == U && nt == NT) {                                       \
+    launch<T, Z, S, U, NT>(x, qweight, scales, zeros, bias, out, group_size, zero_value,      \
+                           num_warps);                                                        \
+    return true;                                                                              \
+  }
+#define W4_CASES(U, NT) \
+  W4_CASE(false, false, U, NT) W4_CASE(false, true, U, NT) W4_CASE(true, false, U, NT) \
+  W4_CASE(true, true, U, NT)
+  // w4_gemv_cuda.GEMV_CONFIGS: keep the two lists equal
+  W4_CASES(2, 1) W4_CASES(2, 2) W4_CASES(4, 1)
+#undef W4_CASES
 #undef W4_CASE
-  TORCH_CHECK(false, "w4_gemv: unroll must be 2, 4 or 8, got ", unroll);
+  return false;
 }
 
 // out [M, N] = x [M, K] @ W^T (+ bias); the caller checks shapes, dtypes and alignment.
 void w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t unroll) {
+                 int64_t unroll, int64_t nt) {
   TORCH_CHECK(x.size(0) <= w4::kMaxM && num_warps >= 1 && num_warps <= 16, "w4_gemv: bad M/warps");
-  if (x.scalar_type() == at::kHalf) {
-    dispatch<__half>(x, qweight, scales, zeros, bias, out, group_size, zero_value, num_warps,
-                     unroll);
-  } else {
-    dispatch<__nv_bfloat16>(x, qweight, scales, zeros, bias, out, group_size, zero_value,
-                            num_warps, unroll);
-  }
+  TORCH_CHECK(x.size(1) < (1 << 21), "w4_gemv: K must be below 2^21 (group_of), got ", x.size(1));
+  const bool launched =
+      x.scalar_type() == at::kHalf
+          ? dispatch<__half>(x, qweight, scales, zeros, bias, out, group_size, zero_value,
+                             num_warps, unroll, nt)
+          : dispatch<__nv_bfloat16>(x, qweight, scales, zeros, bias, out, group_size, zero_value,
+                                    num_warps, unroll, nt);
+  TORCH_CHECK(launched, "w4_gemv: (unroll, nt) = (", unroll, ", ", nt,
+              ") is not a built configuration (w4_gemv_cuda.GEMV_CONFIGS)");
 }
 #endif  // W4_NO_TORCH

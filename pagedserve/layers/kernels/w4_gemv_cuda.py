@@ -23,9 +23,10 @@ fma by 1/16). The MMA multiplies x by q - zero exactly and sums in fp32; the fp3
 is `x.float() @ dequantize(w, float32)` up to fp32 summation order and the final rounding to
 x's dtype. Zero points must be exact in the dtype after the offset: |zero| < 128 (bf16).
 
-Work split: one block per 16 output columns, its warps taking the chunks in turn (warp w:
-chunks w, w + W, ...), UNROLL chunks' loads in flight per lane, the warps' sums added in shared
-memory. No split-K across blocks, no workspace, no host syncs: safe in CUDA graphs.
+Work split: one block per NT x 16 output columns (NT = 1 or 2), its warps taking the chunks in
+turn (warp w: chunks w, w + W, ...) in batches of UNROLL chunks, the next batch's loads in
+flight while a batch is computed, the warps' sums added in shared memory. No split-K across
+blocks, no workspace, no host syncs: safe in CUDA graphs.
 """
 
 import functools
@@ -47,20 +48,21 @@ logger = logging.getLogger(__name__)
 MAX_M = 8  # the MMA's N
 TILE_N = 16  # output columns of a block
 CHUNK_K = 64  # K rows of one lane's 16-byte load
-# Aim for this many warps per SM (loads in flight) when choosing the warps of a block; gives
-# the H200 sweep's best (benchmarks/w4_gemv_cuda.py --sweep): qkv 8, o 16, gate_up 4, down 16.
-WARPS_PER_SM = 16
+MAX_K = 1 << 21  # the GEMV finds a row's group in fp32 (w4_gemv.cu, group_of): exact below this
+# Aim for at least this many warps per SM (loads in flight) when choosing the warps of a GEMV
+# block (pick_gemv_config; the H200 sweep's winners on Llama-8B's shapes had 8 to 27).
+WARPS_PER_SM = 10
 _SOURCES = [Path(__file__).with_name(name) for name in ("w4_gemv.cu", "w4_gemm.cu")]
 _LOADED: dict[str, object] = {}  # "module": the extension, once built
 _DECLARATION = """
 void w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t unroll);
+                 int64_t unroll, int64_t nt);
 void w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t split, int64_t mt, int64_t nt);
+                 int64_t split, int64_t mt, int64_t nt, int64_t kw);
 void w4_dequant_out(torch::Tensor qweight, torch::Tensor scales,
                     std::optional<torch::Tensor> zeros, torch::Tensor out, int64_t group_size,
                     int64_t zero_value);
@@ -132,8 +134,8 @@ def built() -> bool:
 
 def supports_weight(w: PackedWeights) -> bool:
     """Whether the kernels take this weight: 4-bit, no act-order, groups of a multiple of 32
-    rows (or one group), fp16/bf16 scales, int16 or constant zero points, on a CUDA device
-    where the extension can be built."""
+    rows (or one group), fp16/bf16 scales, int16 or constant zero points, K below MAX_K, on a
+    CUDA device where the extension can be built."""
     return (
         w.bits == 4
         and w.g_idx is None
@@ -142,6 +144,7 @@ def supports_weight(w: PackedWeights) -> bool:
         and w.scales.dtype in (torch.float16, torch.bfloat16)
         and (w.zeros is None or w.zeros.dtype == torch.int16)
         and w.scales.is_cuda
+        and w.in_features < MAX_K
         and available()
     )
 
@@ -175,16 +178,31 @@ def repack(w: PackedWeights) -> torch.Tensor:  # [N_pad / 16, K_pad / 64, 32, 4]
     return words.reshape(n_pad // 16, k_pad // 64, 32, 4).contiguous()
 
 
-def pick_num_warps(n: int, k: int) -> int:
-    """Warps of a block: enough that the GPU holds about WARPS_PER_SM warps per SM when there
-    are few 16-column tiles, without warps left with no chunk."""
+# (unroll, nt) of the GEMV that the extension builds (w4_gemv.cu's dispatch): chunks per batch
+# of a warp's loads, and 16-column tiles per block.
+GEMV_CONFIGS = ((2, 1), (2, 2), (4, 1))
+
+
+def pick_gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    """(num_warps, unroll, nt) of `w4_gemv`: two tiles per block when there are at least 8
+    tiles per SM (the per-chunk work on x shared by both), else one (more blocks for narrow
+    layers); the fewest warps of 4 / 8 / 16 that give the GPU WARPS_PER_SM warps per SM, without
+    warps left with no chunk; batches of 4 chunks when a warp has at least 16 chunks and one
+    tile, else 2. On the H200 this picks the sweep's best config for each of Llama-8B's four
+    linears at M = 1 (benchmarks/w4_gemv_cuda.py --sweep; BENCHMARKS.md, issue 15)."""
     sms = num_sms(torch.cuda.current_device())
     num_tiles = -(-n // TILE_N)
     num_chunks = -(-k // CHUNK_K)
-    for warps in (4, 8, 16):
-        if num_tiles * warps >= WARPS_PER_SM * sms:
-            return min(warps, max(1, num_chunks))
-    return min(16, max(1, num_chunks))
+    nt = 2 if num_tiles >= 8 * sms else 1
+    blocks = -(-num_tiles // nt)
+    warps = 16
+    for candidate in (4, 8):
+        if blocks * candidate >= WARPS_PER_SM * sms:
+            warps = candidate
+            break
+    warps = min(warps, max(1, num_chunks))
+    unroll = 4 if nt == 1 and num_chunks >= 16 * warps else 2
+    return warps, unroll, nt
 
 
 def w4_gemv(
@@ -192,24 +210,29 @@ def w4_gemv(
     w: "PackedWeights | RepackedWeights",
     repacked: torch.Tensor,  # repack(w)
     bias: torch.Tensor | None = None,  # [N]
-    num_warps: int | None = None,  # default: pick_num_warps
-    unroll: int = 4,  # chunks in flight per lane: 2, 4 or 8
+    config: tuple[int, int, int] | None = None,  # (num_warps, unroll, nt): pick_gemv_config
 ) -> torch.Tensor:  # [..., N], x's dtype
-    """x @ W^T (+ bias) for decode; the caller checks `supports(w, x)` first."""
+    """x @ W^T (+ bias) for decode; the caller checks `supports(w, x)` first. ValueError for
+    a config whose (unroll, nt) is not in GEMV_CONFIGS or whose num_warps is not 1..16."""
     x2 = x.reshape(-1, x.shape[-1])
+    n = w.out_features
+    num_warps, unroll, nt = config or pick_gemv_config(n, x2.size(1))
+    if (unroll, nt) not in GEMV_CONFIGS or not 1 <= num_warps <= 16:
+        raise ValueError(
+            f"w4_gemv: (num_warps, unroll, nt) = {(num_warps, unroll, nt)} is not built: "
+            f"num_warps 1..16 and (unroll, nt) in GEMV_CONFIGS = {GEMV_CONFIGS}"
+        )
     if x2.stride(-1) != 1 or x2.stride(0) != x2.size(1) or x2.data_ptr() % 16 != 0:
         # the kernel's 16-byte loads of x rows (a contiguous view at an odd offset stays
         # misaligned through .contiguous(): copy)
         x2 = x2.clone(memory_format=torch.contiguous_format)
-    n = w.out_features
     out = torch.empty(x2.size(0), n, dtype=x.dtype, device=x.device)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    if num_warps is None:
-        num_warps = pick_num_warps(n, x2.size(1))
     load().w4_gemv_out(  # type: ignore[attr-defined]
-        x2, repacked, w.scales, w.zeros, bias, out, w.group_size, w.zero_value, num_warps, unroll
-    )
+        x2, repacked, w.scales, w.zeros, bias, out, w.group_size, w.zero_value, num_warps,
+        unroll, nt,
+    )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -217,28 +240,44 @@ def w4_gemv(
 # M = 64 (one Llama-8B layer's linears 0.21 ms against 0.27) and lost at M = 128 (0.39 against
 # 0.28; BENCHMARKS.md, issue 15, session 5).
 GEMM_MAX_M = 65
-# Columns of a block are (warps, nt) = (8, 1) or (4, 2) up to this N, else (4, 2) / (8, 2):
-# the H200 sweep's winners (benchmarks/w4_gemv_cuda.py --sweep, M = 16 / 32 / 64).
+# Columns of a block up to M = 32: (warps, nt) = (8, 1) up to this N, else (4, 2): the H200
+# sweep's winners (benchmarks/w4_gemv_cuda.py --sweep, M = 16 / 32).
 GEMM_NARROW_N = 8192
+# (num_warps, mt, nt, kw) of the GEMM that the extension builds (w4_gemm.cu's dispatch): warps
+# per K group of a block, m16 row tiles per block, 16-column tiles per warp, and K groups per
+# block (kw x num_warps warps in all).
+GEMM_CONFIGS = (
+    (8, 1, 1, 1), (4, 1, 2, 1), (4, 2, 2, 1), (8, 2, 1, 1), (4, 4, 1, 1), (8, 4, 1, 1),
+    (4, 4, 2, 1), (8, 4, 2, 1),
+    (8, 1, 1, 2), (4, 1, 2, 2), (4, 4, 1, 2), (8, 4, 1, 2), (8, 4, 2, 2),
+)  # fmt: skip
 
 
-def pick_gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(num_warps, split, mt, nt) of `w4_gemm` for M rows of x: m16 tiles per block by M,
-    block widths after the H200 sweep (GEMM_NARROW_N), and split-K until the grid has about 4
-    blocks per SM (2 from M = 33, where a block's MMAs take longer), each split keeping at least
-    4 chunks (256 rows of K), at most 8 splits (the fp32 partial sums cost traffic)."""
+def pick_gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(num_warps, split, mt, nt, kw) of `w4_gemm` for M rows of x, after the H200 sweep on
+    Llama-8B's linears (benchmarks/w4_gemv_cuda.py --sweep; BENCHMARKS.md, issue 15). Up to
+    M = 32: m16 tiles per block by M, block widths by GEMM_NARROW_N, and split-K until the grid
+    has about 6 (M <= 16) or 4 blocks per SM. Above: 64 rows per block (each dequantized
+    weight serves them all); when blocks of 8 warps x 2 tiles already fill about one wave, those
+    without split-K (its fp32 partial sums cost more than the idle SMs: gate_up), else one tile
+    per warp and a split per 16 chunks (4 warps, or 8 from 128 chunks: down). Every split keeps
+    at least 4 chunks (256 rows of K); at most 8 splits."""
     sms = num_sms(torch.cuda.current_device())
+    num_chunks = -(-k // CHUNK_K)
+    max_split = max(1, min(8, num_chunks // 4))
+    if m > 32:
+        row_blocks = -(-m // 64)
+        if -(-n // (TILE_N * 2 * 8)) * row_blocks >= 0.8 * sms:
+            return 8, 1, 4, 2, 1
+        warps = 8 if num_chunks >= 128 else 4
+        return warps, max(1, min(num_chunks // 16, max_split)), 4, 1, 1
     narrow = n <= GEMM_NARROW_N
     if m <= 16:
-        mt, (warps, nt) = 1, ((8, 1) if narrow else (4, 2))
-    elif m <= 32:
-        mt, (warps, nt) = 2, (4, 2)
+        mt, (warps, nt), target = 1, ((8, 1) if narrow else (4, 2)), 6 * sms
     else:
-        mt, (warps, nt) = 4, ((4, 1) if narrow else (8, 2))
+        mt, (warps, nt), target = 2, (4, 2), 4 * sms
     blocks = -(-n // (TILE_N * nt * warps)) * -(-m // (16 * mt))
-    target = (4 if m <= 32 else 2) * sms
-    split = max(1, min(-(-target // blocks), -(-k // CHUNK_K) // 4, 8))
-    return warps, split, mt, nt
+    return warps, max(1, min(-(-target // blocks), max_split)), mt, nt, 1
 
 
 def w4_gemm(
@@ -247,14 +286,21 @@ def w4_gemm(
     repacked: torch.Tensor,  # repack(w)
     scales: torch.Tensor,  # [G, N] w.scales in x's dtype
     bias: torch.Tensor | None = None,  # [N]
-    config: tuple[int, int, int, int] | None = None,  # (num_warps, split, mt, nt)
+    config: tuple[int, int, int, int, int] | None = None,  # (num_warps, split, mt, nt, kw)
 ) -> torch.Tensor:  # [M, N], x's dtype
     """x @ W^T (+ bias) on tensor cores for more than MAX_M rows (w4_gemm.cu): each weight is
     (q - z) * scale rounded to x's dtype, the products summed in fp32. For a weight that
     `supports_weight`, with N a multiple of 8 and 16-byte aligned scales / zeros (as
-    `RepackedWeights` holds them); raises RuntimeError from the extension otherwise."""
+    `RepackedWeights` holds them); raises RuntimeError from the extension otherwise, and
+    ValueError for a config whose (num_warps, mt, nt, kw) is not in GEMM_CONFIGS."""
     m, k = x.shape
     n = w.out_features
+    warps, split, mt, nt, kw = config or pick_gemm_config(m, n, k)
+    if (warps, mt, nt, kw) not in GEMM_CONFIGS or split < 1:
+        raise ValueError(
+            f"w4_gemm: (num_warps, mt, nt, kw) = {(warps, mt, nt, kw)} with split {split} is "
+            f"not built: split >= 1 and GEMM_CONFIGS = {GEMM_CONFIGS}"
+        )
     if x.stride(-1) != 1 or x.stride(0) != k or x.data_ptr() % 16 != 0:
         x = x.clone(memory_format=torch.contiguous_format)  # 16-byte copies of x rows
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -262,10 +308,10 @@ def w4_gemm(
         return out
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    warps, split, mt, nt = config or pick_gemm_config(m, n, k)
     load().w4_gemm_out(  # type: ignore[attr-defined]
-        x, repacked, scales, w.zeros, bias, out, w.group_size, w.zero_value, warps, split, mt, nt
-    )
+        x, repacked, scales, w.zeros, bias, out, w.group_size, w.zero_value, warps, split, mt,
+        nt, kw,
+    )  # fmt: skip
     return out
 
 
