@@ -14,10 +14,11 @@ bf16 and fp16 (4-bit, group 128, fp16 scales, zero 8 as GPTQ symmetric; --asym: 
 For M > 8 it times the tensor-core GEMM (`w4_gemm`) and dequantize + cuBLAS
 (`dequantize_repacked`), checked against the reference with each weight rounded to x's dtype
 as they round it, and reports the one `w4_linear` takes for that M.
---sweep also times every (num_warps, unroll, nt) of the GEMV and (num_warps, split, mt, nt, kw)
-of the GEMM, prints the best per shape and keeps every time in the JSON line's rows ("sweep").
+--sweep also times every (num_warps, unroll, nt) of the GEMV and (num_warps, split, mt, nt) of
+the GEMM, prints the best per shape and keeps every time in the JSON line's rows ("sweep").
 
-  python3 benchmarks/w4_gemv_cuda.py [--sweep] [--asym] [--m 1 --m 8] [--dtype bfloat16] [--shape o]
+  python3 benchmarks/w4_gemv_cuda.py [--sweep [--gemm-config 8,1,4,2 ...]] [--asym] [--m 1 --m 8]
+      [--dtype bfloat16] [--shape o]
 """
 
 import argparse
@@ -80,7 +81,12 @@ def make_weights(k: int, n: int, copies: int, asym: bool) -> list[Any]:
 
 
 def bench_case(
-    x: Any, packs: list[Any], repacked: list[Any], dense: list[Any], sweep: bool
+    x: Any,
+    packs: list[Any],
+    repacked: list[Any],
+    dense: list[Any],
+    sweep: bool,
+    only: list[tuple[int, ...]] | None = None,
 ) -> dict[str, Any]:
     """Errors and timings of one (shape, dtype, M)."""
     import torch.nn.functional as F
@@ -92,7 +98,7 @@ def bench_case(
     n, k = packs[0].out_features, packs[0].in_features
     m = x.size(0)
     if m > cu.MAX_M:
-        return bench_gemm(x, packs, repacked, dense, sweep)
+        return bench_gemm(x, packs, repacked, dense, sweep, only)
     row: dict[str, Any] = {
         "err": check(cu.w4_gemv(x, packs[0], repacked[0]), x, packs[0], dtype_name),
         "err_triton": check(quant_gemm(x, packs[0]), x, packs[0], dtype_name),
@@ -112,11 +118,16 @@ def bench_case(
 
 
 def bench_gemm(
-    x: Any, packs: list[Any], repacked: list[Any], dense: list[Any], sweep: bool
+    x: Any,
+    packs: list[Any],
+    repacked: list[Any],
+    dense: list[Any],
+    sweep: bool,
+    only: list[tuple[int, ...]] | None = None,
 ) -> dict[str, Any]:
     """Errors and timings of one (shape, dtype, M > MAX_M): `w4_linear`'s path for M (the
     GEMM, or dequantize + cuBLAS from GEMM_MAX_M), the Triton `quant_linear` and F.linear;
-    --sweep times every GEMM (num_warps, split, mt, nt, kw)."""
+    --sweep times every GEMM (num_warps, split, mt, nt), or those in `only`."""
     import torch.nn.functional as F
 
     from pagedserve.layers.kernels import w4_gemv_cuda as cu
@@ -151,10 +162,12 @@ def bench_gemm(
     }
     row["default_ms"] = row["gemm_ms"]
     configs = [
-        (warps, split, mt, nt, kw)
-        for (warps, mt, nt, kw), split in itertools.product(cu.GEMM_CONFIGS, (1, 2, 4, 8))
+        (warps, split, mt, nt)
+        for (warps, mt, nt), split in itertools.product(cu.GEMM_CONFIGS, (1, 2, 4, 8))
         if mt == 1 or 16 * mt // 2 < m  # m16 tiles a block may use
     ]
+    if only:
+        configs = [c for c in only if c[:1] + c[2:] in cu.GEMM_CONFIGS]
     for config in configs if sweep else []:
         t = timed(lambda i, c=config: gemm(i, c), len(packs))
         row.setdefault("sweep", {})[str(config)] = round(t, 5)
@@ -171,6 +184,12 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="time every launch config")
     parser.add_argument("--asym", action="store_true", help="int16 zero points")
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: all")
+    parser.add_argument(
+        "--gemm-config",
+        action="append",
+        type=lambda v: tuple(int(p) for p in v.split(",")),
+        help="with --sweep: time only these GEMM configs, num_warps,split,mt,nt",
+    )
     args = parser.parse_args()
     import torch
 
@@ -200,7 +219,7 @@ def main() -> int:
             ]
             for m in ms:
                 x = torch.randn(m, k, device="cuda", dtype=dtype)
-                row = bench_case(x, packs, repacked, dense, args.sweep)
+                row = bench_case(x, packs, repacked, dense, args.sweep, args.gemm_config)
                 row.update(shape=name, k=k, n=n, m=m, dtype=dtype_name)
                 err = row.pop("err")
                 worst = max(worst, err["ratio"], row.pop("err_dequant", err)["ratio"])

@@ -15,11 +15,15 @@ and the final rounding differ).
 import itertools
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedserve.layers.kernels import w4_gemv_cuda
+from pagedserve.layers.kernels.w4_gemv_cuda import GEMM_MAX_M
 from pagedserve.layers.quantization.packed import PackedWeights, pack_int32, unpack_int32
 
 from .test_gptq_models import PROMPTS, float_model  # noqa: F401 (float_model: a fixture)
@@ -123,6 +127,31 @@ def kernel_grid(test: Any) -> Any:
     ):
         test = mark(test)
     return test
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    m=st.integers(1, GEMM_MAX_M - 1),
+    n=st.integers(1, 1 << 17).map(lambda v: 8 * v),
+    k=st.integers(1, 1 << 15).map(lambda v: 8 * v),
+    sms=st.sampled_from([1, 8, 78, 108, 132]),
+)
+def test_picked_configs_are_built(m: int, n: int, k: int, sms: int) -> None:
+    """Whatever the shape and the SM count, the picks name a configuration the extension
+    builds (the GEMV's for M <= MAX_M, the GEMM's above) and a split that leaves no split
+    empty of chunks; runs without a GPU (num_sms is the only device query)."""
+    with (
+        mock.patch.object(w4_gemv_cuda, "num_sms", lambda device: sms),
+        mock.patch.object(torch.cuda, "current_device", lambda: 0),
+    ):
+        warps, unroll, nt = w4_gemv_cuda.pick_gemv_config(n, k)
+        assert (unroll, nt) in w4_gemv_cuda.GEMV_CONFIGS and 1 <= warps <= 16
+        assert warps <= -(-k // w4_gemv_cuda.CHUNK_K)  # no warp without a chunk
+        if m <= w4_gemv_cuda.MAX_M:
+            return
+        warps, split, mt, nt = w4_gemv_cuda.pick_gemm_config(m, n, k)
+    assert (warps, mt, nt) in w4_gemv_cuda.GEMM_CONFIGS
+    assert 1 <= split <= max(1, -(-k // w4_gemv_cuda.CHUNK_K) // 4)
 
 
 @kernel_grid
@@ -275,25 +304,25 @@ def test_w4_gemm_matches_reference(
 
 @pytest.mark.gpu
 def test_w4_gemm_every_launch_config() -> None:
-    """Every built (num_warps, mt, nt, kw) with every split gives the same result: warps with
-    no tile, splits of uneven length, row blocks past M, K groups with a chunk less (17 chunks);
-    others are a ValueError, and a RuntimeError from the extension itself."""
+    """Every built (num_warps, mt, nt) with every split gives the same result: warps with no
+    tile, splits of uneven length, row blocks past M; others are a ValueError, and a
+    RuntimeError from the extension itself."""
     if not w4_gemv_cuda.available():
         pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
     torch.manual_seed(2)
     w, repacked, scales = gemm_weights(1088, 200, 64, True, torch.bfloat16)  # 17 chunks
     x = torch.randn(40, 1088, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(200, device="cuda", dtype=torch.bfloat16)
-    for (warps, mt, nt, kw), split in itertools.product(w4_gemv_cuda.GEMM_CONFIGS, (1, 2, 3, 8)):
-        config = (warps, split, mt, nt, kw)
+    for (warps, mt, nt), split in itertools.product(w4_gemv_cuda.GEMM_CONFIGS, (1, 2, 3, 8)):
+        config = (warps, split, mt, nt)
         y = w4_gemv_cuda.w4_gemm(x, w, repacked, scales, bias, config=config)
         assert_matches(y, x, w, bias, rounded=True)
     with pytest.raises(ValueError, match="GEMM_CONFIGS"):
-        w4_gemv_cuda.w4_gemm(x, w, repacked, scales, bias, config=(2, 1, 1, 1, 1))
+        w4_gemv_cuda.w4_gemm(x, w, repacked, scales, bias, config=(2, 1, 1, 1))
     out = torch.empty(40, 200, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="not a built configuration"):
         w4_gemv_cuda.load().w4_gemm_out(  # type: ignore[attr-defined]
-            x, repacked, scales, w.zeros, bias, out, w.group_size, w.zero_value, 2, 1, 1, 1, 1
+            x, repacked, scales, w.zeros, bias, out, w.group_size, w.zero_value, 2, 1, 1, 1
         )
 
 
