@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Issue 15's W4A16 / W8A16 kernels on one H200, in three parts (each < 10 minutes; logs in $OUT):
-#   bash benchmarks/gpu_quant.sh tests    # kernel tests (grid vs the torch reference, e2e greedy)
+# Issue 15's W4A16 / W8A16 kernels on one H200, in four parts (each < 10 minutes; logs in $OUT):
+#   bash benchmarks/gpu_quant.sh tests    # kernel tests (grid vs the torch reference, e2e greedy),
+#                                         # the Triton set and the CUDA W4 set
 #   bash benchmarks/gpu_quant.sh gemm     # GEMM micro-benchmark: in-loop vs deq+cuBLAS vs bf16
+#   bash benchmarks/gpu_quant.sh w4       # the CUDA W4 kernels per Llama-8B linear at M 1 / 16 /
+#                                         # 64: the picks' times, then every launch config
 #   bash benchmarks/gpu_quant.sh decode   # Llama-3.1-8B decode step, GPTQ 4-bit g128 vs bf16,
 #                                         # batch 1 and 64 at 1,024 context (the issue's targets)
 set -u
@@ -22,8 +25,15 @@ roofline() {  # batch size, log name, extra flags...
 }
 case "${1:-}" in
   tests)
-    logged quant_tests 540 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
-      tests/quantization/test_quant_kernels.py ;;
+    logged quant_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 \
+      tests/quantization/test_quant_kernels.py
+    # one process: the extension builds once (about 100 s), then its tests
+    logged w4_cuda_tests 240 python3 -X faulthandler -m pytest -q -m gpu -p no:cacheprovider \
+      tests/quantization/test_w4_gemv_cuda.py ;;
+  w4)
+    logged w4_picks 120 python3 benchmarks/w4_gemv_cuda.py --m 1 --m 16 --m 64 --dtype bfloat16
+    logged w4_sweep 400 python3 benchmarks/w4_gemv_cuda.py --sweep --m 1 --m 16 --m 64 \
+      --dtype bfloat16 ;;
   gemm)
     logged quant_gemm 540 python3 benchmarks/quant_gemm.py --sweep ;;
   decode)
@@ -45,5 +55,5 @@ for batch, target in ((1, "<= 0.45x (goal 0.35x)"), (64, "<= 1.0x (goal 0.67x)")
                   f"ratio {gptq[key]/bf16[key]:.3f} (target {target})")
 EOF
     ;;
-  *) echo "usage: bash benchmarks/gpu_quant.sh tests|gemm|decode" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/gpu_quant.sh tests|gemm|w4|decode" >&2; exit 2 ;;
 esac
