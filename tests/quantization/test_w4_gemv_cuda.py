@@ -234,8 +234,8 @@ def test_the_extension_refuses_unbuilt_configs() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
     for name in ("gemv", "gemm"):
-        lines = result.stdout.splitlines()
         refused = [line for line in lines if line.startswith(f"{name} refused:")]
         assert refused and "not a built configuration" in refused[0], result.stdout
 

@@ -400,7 +400,7 @@ void w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
   TORCH_CHECK(split >= 1, "w4_gemm: bad split");
   TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "w4_gemm: scales must be in x's dtype");
   TORCH_CHECK(out.size(1) % 8 == 0 && x.size(1) % 8 == 0, "w4_gemm: N and K must be multiples of 8");
-  TORCH_CHECK(x.size(1) < (1 << 21), "w4_gemm: K must be below 2^21 (group_of), got ", x.size(1));
+  TORCH_CHECK(x.size(1) < w4::kMaxK, "w4_gemm: K must be below 2^21 (group_of), got ", x.size(1));
   for (const torch::Tensor* p : {&x, &scales}) {  // 16-byte cp.async
     TORCH_CHECK(reinterpret_cast<uintptr_t>(p->data_ptr()) % 16 == 0, "w4_gemm: unaligned input");
   }

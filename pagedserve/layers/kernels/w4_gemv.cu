@@ -16,9 +16,10 @@
 
 namespace w4 {
 
-constexpr int kTileN = 16;    // output columns of a block (the MMA's M)
-constexpr int kChunkK = 64;   // K rows of one lane's uint4 (two k32 steps)
-constexpr int kMaxM = 8;      // the MMA's N: rows of x
+constexpr int kTileN = 16;      // output columns of a block (the MMA's M)
+constexpr int kChunkK = 64;     // K rows of one lane's uint4 (two k32 steps)
+constexpr int kMaxM = 8;        // the MMA's N: rows of x
+constexpr int kMaxK = 1 << 21;  // group_of is exact below this (w4_gemv_cuda.MAX_K)
 
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;  // (a & b) | c in one instruction
@@ -151,7 +152,7 @@ __device__ __forceinline__ int group_of(int row, float inv_group, int last_group
 // batch i + 1 (weights, scales, zeros) are issued before the MMAs of batch i, so that a warp
 // keeps UNROLL x NT x 16 bytes per lane in flight while it computes. The loads have no
 // branches: a chunk past the end re-reads the last chunk (an L2 hit) and its sum is dropped.
-template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL, int NT>
+template <bool STEP_SCALE, int UNROLL, int NT>
 struct GemvBatch {
   static constexpr int kSteps = STEP_SCALE ? 2 : 1;  // scale / zero rows per chunk
   uint4 w[UNROLL][NT];
@@ -168,7 +169,7 @@ __global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
     const T* __restrict__ bias,           // [N] or nullptr
     T* __restrict__ out,                  // [M, N]
     int m, int n, int k, int num_groups, float inv_group, int zero_value, bool scales_bf16) {
-  using Batch = GemvBatch<T, HAS_ZEROS, STEP_SCALE, UNROLL, NT>;
+  using Batch = GemvBatch<STEP_SCALE, UNROLL, NT>;
   constexpr int kSteps = Batch::kSteps;
   constexpr int kCols = NT * kTileN;
   extern __shared__ float partial[];  // [num_warps][kMaxM][kCols]
@@ -355,7 +356,7 @@ void w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
                  int64_t unroll, int64_t nt) {
   TORCH_CHECK(x.size(0) <= w4::kMaxM && num_warps >= 1 && num_warps <= 16, "w4_gemv: bad M/warps");
-  TORCH_CHECK(x.size(1) < (1 << 21), "w4_gemv: K must be below 2^21 (group_of), got ", x.size(1));
+  TORCH_CHECK(x.size(1) < w4::kMaxK, "w4_gemv: K must be below 2^21 (group_of), got ", x.size(1));
   const bool launched =
       x.scalar_type() == at::kHalf
           ? dispatch<__half>(x, qweight, scales, zeros, bias, out, group_size, zero_value,
