@@ -10,6 +10,9 @@ device-to-device copy (bytes read + written). MBU = floor / measured time.
   python benchmarks/roofline.py --preset llama-3.1-8b --context 1024 --batch-size 1
   python benchmarks/roofline.py --preset llama-3.1-8b --context 1024 --batch-size 1 \
       --quantization gptq          # GPTQ 4-bit g128 sym (--quant-* flags change it)
+
+--profile-steps N then profiles N more steps (torch.profiler) and prints the kernels that take
+the most device time, per step: where the time above the floor goes.
 """
 
 import argparse
@@ -62,6 +65,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument(
+        "--profile-steps", type=int, default=0, help="then profile this many steps' kernels"
+    )
+    parser.add_argument(
         "--model-impl", default="auto", choices=("auto", "pagedserve", "vllm", "transformers")
     )
     add_quantization_args(parser)
@@ -73,7 +79,7 @@ def main() -> None:
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype=args.dtype,
-        max_model_len=args.context + 2 * args.steps + 8,
+        max_model_len=args.context + 2 * args.steps + args.profile_steps + 8,
         max_num_seqs=max(args.batch_size, 1),
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=0.9,
@@ -83,7 +89,10 @@ def main() -> None:
     engine = llm.llm_engine
     runner = engine.engine_core.executor.worker.runner
     params = SamplingParams(
-        temperature=0, max_tokens=2 * args.steps + 6, ignore_eos=True, detokenize=False
+        temperature=0,
+        max_tokens=2 * args.steps + args.profile_steps + 6,
+        ignore_eos=True,
+        detokenize=False,
     )
     for i in range(args.batch_size):
         engine.add_request(str(i), {"prompt_token_ids": [100 + i] * args.context}, params)
@@ -139,6 +148,26 @@ def main() -> None:
     print(f"{'measured':<34}{'ms':>9}{'MBU':>8}")
     print(f"{'forward (CUDA events)':<34}{fwd_med * 1e3:>9.3f}{floor / fwd_med:>8.1%}")
     print(f"{'whole engine step (wall clock)':<34}{step_med * 1e3:>9.3f}{floor / step_med:>8.1%}")
+    profile = None
+    if args.profile_steps > 0:
+        from benchmarks.step_profile import gpu_window
+
+        def run_steps() -> float:
+            t0 = time.perf_counter()
+            for _ in range(args.profile_steps):
+                engine.step()
+            return time.perf_counter() - t0
+
+        profile = gpu_window(run_steps, top=25)
+        per_step = 1e6 / args.profile_steps
+        print(
+            f"device busy {profile['gpu_busy_s'] * per_step:.1f} us per step, "
+            f"{profile['num_kernels'] / args.profile_steps:.0f} kernels per step; top kernels:"
+        )
+        print(f"{'kernel':<62}{'us/step':>9}{'calls/step':>11}")
+        rows = zip(profile["top_kernels_s"], profile["top_kernels_calls"], strict=True)
+        for (name, seconds), calls in rows:
+            print(f"{name:<62}{seconds * per_step:>9.1f}{calls / args.profile_steps:>11.1f}")
     print(
         json.dumps(
             {
@@ -157,6 +186,7 @@ def main() -> None:
                 "step_s": step_med,
                 "mbu_forward": floor / fwd_med,
                 "mbu_step": floor / step_med,
+                "profile": profile,
             }
         )
     )

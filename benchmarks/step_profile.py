@@ -102,11 +102,13 @@ def gpu_window(steps: Callable[[], float], top: int) -> dict[str, Any]:
         torch.cuda.synchronize()
     intervals = []
     per_kernel: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.elapsed_us():
             start, end = event.time_range.start, event.time_range.end
             intervals.append((start, end))
             per_kernel[event.name[:60]] += (end - start) / 1e6
+            calls[event.name[:60]] += 1
     intervals.sort()
     busy, cursor = 0.0, float("-inf")
     for start, end in intervals:
@@ -127,6 +129,7 @@ def gpu_window(steps: Callable[[], float], top: int) -> dict[str, Any]:
         "busy_fraction": busy / 1e6 / wall if wall else 0.0,
         "num_kernels": len(intervals),
         "top_kernels_s": [(name, round(t, 5)) for name, t in kernels],
+        "top_kernels_calls": [calls[name] for name, _ in kernels],
     }
 
 

@@ -17,7 +17,7 @@ as they round it, and reports the one `w4_linear` takes for that M.
 --sweep also times every (num_warps, unroll, nt) of the GEMV and (num_warps, split, mt, nt) of
 the GEMM, prints the best per shape and keeps every time in the JSON line's rows ("sweep").
 
-  python3 benchmarks/w4_gemv_cuda.py [--sweep [--gemm-config 8,1,4,2 ...]] [--asym] [--m 1 --m 8]
+  python3 benchmarks/w4_gemv_cuda.py [--sweep [--gemm-config 8,1,4,2,1 ...]] [--asym] [--m 1 --m 8]
       [--dtype bfloat16] [--shape o]
 """
 
@@ -162,8 +162,8 @@ def bench_gemm(
     }
     row["default_ms"] = row["gemm_ms"]
     configs = [
-        (warps, split, mt, nt)
-        for (warps, mt, nt), split in itertools.product(cu.GEMM_CONFIGS, (1, 2, 4, 8))
+        (warps, split, mt, nt, kw)
+        for (warps, mt, nt, kw), split in itertools.product(cu.GEMM_CONFIGS, (1, 2, 4, 8))
         if mt == 1 or 16 * mt // 2 < m  # m16 tiles a block may use
     ]
     if only:
@@ -188,7 +188,7 @@ def main() -> int:
         "--gemm-config",
         action="append",
         type=lambda v: tuple(int(p) for p in v.split(",")),
-        help="with --sweep: time only these GEMM configs, num_warps,split,mt,nt",
+        help="with --sweep: time only these GEMM configs, num_warps,split,mt,nt,kw",
     )
     args = parser.parse_args()
     import torch

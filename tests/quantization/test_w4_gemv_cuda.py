@@ -152,8 +152,8 @@ def test_picked_configs_are_built(m: int, n: int, k: int, sms: int) -> None:
         assert warps <= -(-k // w4_gemv_cuda.CHUNK_K)  # no warp without a chunk
         if m <= w4_gemv_cuda.MAX_M:
             return
-        warps, split, mt, nt = w4_gemv_cuda.pick_gemm_config(m, n, k)
-    assert (warps, mt, nt) in w4_gemv_cuda.GEMM_CONFIGS
+        warps, split, mt, nt, kw = w4_gemv_cuda.pick_gemm_config(m, n, k)
+    assert (warps, mt, nt, kw) in w4_gemv_cuda.GEMM_CONFIGS
     assert 1 <= split <= max(1, -(-k // w4_gemv_cuda.CHUNK_K) // 4)
 
 
@@ -194,8 +194,9 @@ def test_w4_gemv_every_launch_config() -> None:
         w4_gemv_cuda.w4_gemv(x, w, repacked, config=(4, 8, 1))
 
 
-# Run in a child process: a c10::Error thrown from the extension's templated dispatch once
-# crashed the whole process (segmentation fault, H200, session 6); here that fails one test.
+# Run in a child process: a c10::Error thrown after the extension's dispatch crashed the whole
+# process (segmentation fault, H200, sessions 6 and 7), so the exported functions now return
+# false for an unbuilt config; a crash here fails one test, not the run.
 _REFUSE_UNBUILT = """
 import torch
 from pagedserve.layers.kernels import w4_gemv_cuda as cu
@@ -204,40 +205,46 @@ x = torch.zeros(4, 64, device="cuda", dtype=torch.bfloat16)
 repacked = torch.zeros(1, 1, 32, 4, device="cuda", dtype=torch.int32)  # N 16, K 64
 scales = torch.ones(1, 16, device="cuda", dtype=torch.bfloat16)
 out = torch.empty(4, 16, device="cuda", dtype=torch.bfloat16)
+args = (x, repacked, scales, None, None, out, 64, 8)  # group 64, zero point 8
+gemv = lambda warps, unroll: ext.w4_gemv_out(*args, warps, unroll, 1)
+gemm = lambda split, mt: ext.w4_gemm_out(*args, 2, split, mt, 1, 1)
 for name, call in (
-    ("gemv", lambda: ext.w4_gemv_out(x, repacked, scales, None, None, out, 64, 8, 4, 8, 1)),
-    ("gemm", lambda: ext.w4_gemm_out(x, repacked, scales, None, None, out, 64, 8, 2, 1, 1, 1)),
+    ("gemv unbuilt", lambda: gemv(4, 8)),
+    ("gemm unbuilt", lambda: gemm(1, 3)),
+    ("gemv bad warps", lambda: gemv(0, 2)),
+    ("gemm bad split", lambda: gemm(0, 1)),
 ):
+    print(name, "...", flush=True)
     try:
-        call()
-        print(name, "launched")
+        print(name, "returned", call(), flush=True)
     except RuntimeError as e:
-        print(name, "refused:", str(e).splitlines()[0])
+        print(name, "raised", str(e).splitlines()[0], flush=True)
 """
 
 
 @pytest.mark.gpu
 def test_the_extension_refuses_unbuilt_configs() -> None:
-    """The compiled functions themselves (behind the Python checks) raise RuntimeError for a
-    launch config they do not build, and the process lives on."""
+    """The compiled functions themselves (behind the Python checks) launch nothing and return
+    False for a launch config they do not build, raise RuntimeError for bad arguments, and the
+    process lives on."""
     if not w4_gemv_cuda.available():
         pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
     w4_gemv_cuda.load()  # built once, in this process (the child loads the cached build)
     root = Path(__file__).resolve().parents[2]
     path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
     result = subprocess.run(
-        [sys.executable, "-c", _REFUSE_UNBUILT],
+        [sys.executable, "-X", "faulthandler", "-c", _REFUSE_UNBUILT],
         capture_output=True,
         text=True,
         cwd=root,
         env={**os.environ, "PYTHONPATH": path},
         timeout=300,
     )
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    for name in ("gemv", "gemm"):
-        refused = [line for line in lines if line.startswith(f"{name} refused:")]
-        assert refused and "not a built configuration" in refused[0], result.stdout
+    assert "gemv unbuilt returned False" in lines and "gemm unbuilt returned False" in lines
+    assert "gemv bad warps raised w4_gemv: bad M/warps" in lines, lines
+    assert "gemm bad split raised w4_gemm: bad split" in lines, lines
 
 
 def test_a_failed_build_means_the_triton_kernels(
@@ -347,7 +354,7 @@ def test_w4_gemm_matches_reference(
 
 @pytest.mark.gpu
 def test_w4_gemm_every_launch_config() -> None:
-    """Every built (num_warps, mt, nt) with every split gives the same result: warps with no
+    """Every built (num_warps, mt, nt, kw) with every split gives the same result: warps with no
     tile, splits of uneven length, row blocks past M; others are a ValueError."""
     if not w4_gemv_cuda.available():
         pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
@@ -355,12 +362,12 @@ def test_w4_gemm_every_launch_config() -> None:
     w, repacked, scales = gemm_weights(1088, 200, 64, True, torch.bfloat16)  # 17 chunks
     x = torch.randn(40, 1088, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(200, device="cuda", dtype=torch.bfloat16)
-    for (warps, mt, nt), split in itertools.product(w4_gemv_cuda.GEMM_CONFIGS, (1, 2, 3, 8)):
-        config = (warps, split, mt, nt)
+    for (warps, mt, nt, kw), split in itertools.product(w4_gemv_cuda.GEMM_CONFIGS, (1, 2, 3, 8)):
+        config = (warps, split, mt, nt, kw)
         y = w4_gemv_cuda.w4_gemm(x, w, repacked, scales, bias, config=config)
         assert_matches(y, x, w, bias, rounded=True)
     with pytest.raises(ValueError, match="GEMM_CONFIGS"):
-        w4_gemv_cuda.w4_gemm(x, w, repacked, scales, bias, config=(2, 1, 1, 1))
+        w4_gemv_cuda.w4_gemm(x, w, repacked, scales, bias, config=(2, 1, 1, 1, 1))
 
 
 @pytest.mark.gpu

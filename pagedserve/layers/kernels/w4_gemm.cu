@@ -15,9 +15,13 @@
 // each weight is (q - z) * s rounded once, as the reference `dequantize(w, dtype)` rounds it.
 //
 // Work split: a block's WARPS warps each own NT 16-column tiles (block: 16 NT WARPS columns),
-// all rows of an MT x 16 row block (grid z), and one K range (grid y: split-K). With split-K
-// each block writes fp32 partial sums that w4_sum_partials adds (with the bias); else the
-// block writes the output. No atomics, no host syncs: CUDA-graph safe.
+// all rows of an MT x 16 row block (grid z), and one K range (grid y: split-K). With KW > 1 the
+// block has KW groups of WARPS warps, each with its own cp.async ring, taking every KW-th chunk
+// of the range; their sums meet in shared memory at the end (more warps per SM on the same
+// columns without split-K's fp32 partials in global memory: the H200 ran 112-block grids with
+// 8 warps per SM, 12% occupancy, 60% of cycles with no eligible warp). With split-K each block
+// writes fp32 partial sums that w4_sum_partials adds (with the bias); else the block writes the
+// output. No atomics, no host syncs: CUDA-graph safe.
 
 namespace w4 {
 
@@ -80,8 +84,8 @@ struct GemmStage {
   }
 };
 
-template <typename T, bool HAS_ZEROS, int WARPS, int MT, int NT>
-__global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) w4_gemm_kernel(  // <= 128 registers
+template <typename T, bool HAS_ZEROS, int WARPS, int MT, int NT, int KW>
+__global__ void __launch_bounds__(WARPS * KW * 32, 16 / (WARPS * KW)) w4_gemm_kernel(  // <= 128 regs
     const T* __restrict__ x,             // [M, K]
     const uint4* __restrict__ qweight,   // [N_pad / 16, K_pad / 64, 32] uint4 (repacked)
     const T* __restrict__ scales,        // [G, N] in x's dtype
@@ -95,7 +99,9 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) w4_gemm_kernel(  // <=
   extern __shared__ uint4 smem[];
   constexpr int warps = WARPS;
   const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
+  const int warp = (threadIdx.x / 32) % WARPS;  // in its K group
+  const int kg = threadIdx.x / (32 * WARPS);    // K group: chunks c_begin + kg, + KW, ...
+  const int tid = threadIdx.x % (32 * WARPS);   // thread in its K group
   const int g = lane / 4;
   const int t = lane % 4;
   constexpr int block_cols = warps * NT * kTileN;
@@ -105,6 +111,7 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) w4_gemm_kernel(  // <=
   const int c_begin = blockIdx.y * chunks_per_split;
   const int c_end = min(c_begin + chunks_per_split, num_chunks);
   const int row0 = blockIdx.z * Stage::kRows;
+  const int num_iters = (c_end - c_begin + KW - 1) / KW;  // chunks per K group (the last: <=)
   constexpr int stage_size = Stage::size(warps, HAS_ZEROS);
   constexpr int w_units = Stage::weights(warps), p_units = Stage::params(warps);
 
@@ -112,8 +119,9 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) w4_gemm_kernel(  // <=
   // - weights: uint4 `lane` of tiles warp + j warps (j < NT), 32 uint4 per chunk;
   // - x: pair `lane` (K 2 lane, 2 lane + 1 of the chunk) of rows warp, warp + warps, ... to
   //   its permuted place (GemmStage);
-  // - scales / zeros: 16-byte piece threadIdx.x of the block's [step][columns] (few threads:
+  // - scales / zeros: 16-byte piece `tid` of the block's [step][columns] (few threads:
   //   p_mine).
+  // Each K group copies its own chunks into its own ring (indices within the group).
   const uint4* w_src[NT];
   bool w_ok[NT];
 #pragma unroll
@@ -138,14 +146,15 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) w4_gemm_kernel(  // <=
 
   // Scales, then zeros: [step][8-column piece] units, at most one per thread (NT <= 4).
   const int p_pieces = p_units / 2;
-  const bool p_mine = threadIdx.x < p_units * (HAS_ZEROS ? 2 : 1);
-  const bool p_zero = threadIdx.x >= p_units;
-  const int p_j = threadIdx.x % p_units;
+  const bool p_mine = tid < p_units * (HAS_ZEROS ? 2 : 1);
+  const bool p_zero = tid >= p_units;
+  const int p_j = tid % p_units;
   const int p_step = p_j / p_pieces, p_col = col_base + (p_j % p_pieces) * 8;
   const bool p_ok = p_col < n;
 
+  uint4* ring = smem + kg * kStages * stage_size;
   auto load_chunk = [&](int c, int slot) {
-    uint4* st = smem + slot * stage_size;
+    uint4* st = ring + slot * stage_size;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {  // [warp + j warps][lane] = w_units / threads per thread
       cp_async16(st + (warp + j * warps) * 32 + lane, w_src[j] + static_cast<size_t>(c) * 32,
@@ -164,7 +173,7 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) w4_gemm_kernel(  // <=
       const size_t off = p_ok ? static_cast<size_t>(grp) * n + p_col : 0;
       const void* src = p_zero ? static_cast<const void*>(zeros + off)
                                : static_cast<const void*>(scales + off);
-      cp_async16(st + w_units + Stage::kX + threadIdx.x, src, p_ok);
+      cp_async16(st + w_units + Stage::kX + tid, src, p_ok);
     }
   };
 
@@ -184,15 +193,18 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) w4_gemm_kernel(  // <=
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (c_begin + s < c_end) load_chunk(c_begin + s, s);
+    const int c = c_begin + s * KW + kg;
+    if (c < c_end) load_chunk(c, s);
     cp_async_commit();
   }
-  for (int c = c_begin; c < c_end; ++c) {
+  for (int it = 0; it < num_iters; ++it) {
     cp_async_wait<kStages - 2>();
-    __syncthreads();  // chunk c landed for every thread; slot (c - 1) is free again
-    if (c + kStages - 1 < c_end) load_chunk(c + kStages - 1, (c - c_begin + kStages - 1) % kStages);
+    __syncthreads();  // iteration it's chunks landed for every thread; slot it - 1 is free again
+    const int c_next = c_begin + (it + kStages - 1) * KW + kg;
+    if (c_next < c_end) load_chunk(c_next, (it + kStages - 1) % kStages);
     cp_async_commit();
-    const uint4* st = smem + ((c - c_begin) % kStages) * stage_size;
+    if (c_begin + it * KW + kg >= c_end) continue;  // the last iteration: no chunk (group-uniform)
+    const uint4* st = ring + (it % kStages) * stage_size;
     const uint4* sx = st + w_units;
     const uint32_t sx_addr = static_cast<uint32_t>(__cvta_generic_to_shared(sx)) + x_lane;
     const T* sscale = reinterpret_cast<const T*>(sx + Stage::kX);
@@ -234,6 +246,40 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) w4_gemm_kernel(  // <=
     }
   }
   cp_async_wait<0>();
+  if (KW > 1) {  // groups 1.. hand their sums to group 0 through the (now idle) ring memory
+    constexpr int kAcc = MT * NT * 2 * 4;
+    float* red = reinterpret_cast<float*>(smem);  // [kAcc][KW - 1][WARPS * 32]
+    __syncthreads();
+    if (kg > 0) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int a = ((i * NT + j) * 2 + h) * 4 + e;
+              red[(a * (KW - 1) + kg - 1) * WARPS * 32 + tid] = acc[i][j][h][e];
+            }
+    }
+    __syncthreads();
+    if (kg > 0) return;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int a = ((i * NT + j) * 2 + h) * 4 + e;
+#pragma unroll
+            for (int q = 0; q < KW - 1; ++q) acc[i][j][h][e] += red[(a * (KW - 1) + q) * WARPS * 32 + tid];
+          }
+    static_assert(kAcc * (KW - 1) * WARPS * 32 * 4 <= KW * kStages * stage_size * 16,
+                  "the reduction fits in the rings");
+  }
 
   // C fragment: rows g (e 0 1) and g + 8 (e 2 3), columns 2 t and 2 t + 1 of the 8-column half.
   const int tile0 = col_base / kTileN + warp * NT;
@@ -320,7 +366,7 @@ __global__ void w4_dequant_kernel(const uint4* __restrict__ qweight, const T* __
 
 #ifndef W4_NO_TORCH
 
-template <typename T, bool HAS_ZEROS, int WARPS, int MT, int NT>
+template <typename T, bool HAS_ZEROS, int WARPS, int MT, int NT, int KW>
 static void launch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
                         const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                         const std::optional<torch::Tensor>& bias, torch::Tensor& out,
@@ -339,8 +385,9 @@ static void launch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
   const int16_t* zp = HAS_ZEROS ? reinterpret_cast<const int16_t*>(zeros->data_ptr()) : nullptr;
   const T* bp = bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
   T* op = reinterpret_cast<T*>(out.data_ptr());
-  const size_t smem = sizeof(uint4) * w4::kStages * w4::GemmStage<MT, NT>::size(WARPS, HAS_ZEROS);
-  auto kernel = w4::w4_gemm_kernel<T, HAS_ZEROS, WARPS, MT, NT>;
+  const size_t smem =
+      sizeof(uint4) * KW * w4::kStages * w4::GemmStage<MT, NT>::size(WARPS, HAS_ZEROS);
+  auto kernel = w4::w4_gemm_kernel<T, HAS_ZEROS, WARPS, MT, NT, KW>;
   // Function attributes are per device: set once for each device this instantiation runs on
   // (a race sets them twice, harmlessly).
   static uint64_t attributes_set = 0;
@@ -354,14 +401,14 @@ static void launch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
     if (device < 64) attributes_set |= uint64_t{1} << device;
   }
   if (split == 1) {
-    kernel<<<grid, WARPS * 32, smem, stream>>>(
+    kernel<<<grid, WARPS * KW * 32, smem, stream>>>(
         xp, wp, sp, zp, bp, op, nullptr, m, n, k, scales.size(0), 1.0f / group_size, zero_value,
         chunks_per_split);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   auto partial = torch::empty({split, m, n}, x.options().dtype(torch::kFloat32));
-  kernel<<<grid, WARPS * 32, smem, stream>>>(
+  kernel<<<grid, WARPS * KW * 32, smem, stream>>>(
       xp, wp, sp, zp, nullptr, nullptr, partial.data_ptr<float>(), m, n, k, scales.size(0),
       1.0f / group_size, zero_value, chunks_per_split);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -371,32 +418,35 @@ static void launch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Launches the built instantiation for (num_warps, mt, nt); false if there is none (the caller
-// raises: see w4_gemv.cu's dispatch).
+// Launches the built instantiation for (num_warps, mt, nt, kw); false if there is none (the
+// caller raises: see w4_gemv.cu's dispatch).
 template <typename T, bool HAS_ZEROS>
 static bool dispatch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
                           const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                           const std::optional<torch::Tensor>& bias, torch::Tensor& out,
                           int group_size, int zero_value, int num_warps, int split, int mt,
-                          int nt) {
-#define W4_GEMM_CASE(WARPS, MT, NT)                                                           \
-  if (num_warps == WARPS && mt == MT && nt == NT) {                                           \
-    launch_gemm<T, HAS_ZEROS, WARPS, MT, NT>(x, qweight, scales, zeros, bias, out, group_size,  \
-                                             zero_value, split);                              \
+                          int nt, int kw) {
+#define W4_GEMM_CASE(WARPS, MT, NT, KW)                                                       \
+  if (num_warps == WARPS && mt == MT && nt == NT && kw == KW) {                               \
+    launch_gemm<T, HAS_ZEROS, WARPS, MT, NT, KW>(x, qweight, scales, zeros, bias, out,          \
+                                                 group_size, zero_value, split);                \
     return true;                                                                              \
   }
   // w4_gemv_cuda.GEMM_CONFIGS: keep the two lists equal
-  W4_GEMM_CASE(8, 1, 1) W4_GEMM_CASE(4, 1, 2) W4_GEMM_CASE(4, 2, 2) W4_GEMM_CASE(8, 2, 1)
-  W4_GEMM_CASE(4, 4, 1) W4_GEMM_CASE(8, 4, 1) W4_GEMM_CASE(4, 4, 2) W4_GEMM_CASE(8, 4, 2)
+  W4_GEMM_CASE(8, 1, 1, 1) W4_GEMM_CASE(4, 1, 2, 1) W4_GEMM_CASE(4, 2, 2, 1)
+  W4_GEMM_CASE(8, 2, 1, 1) W4_GEMM_CASE(4, 4, 1, 1) W4_GEMM_CASE(8, 4, 1, 1)
+  W4_GEMM_CASE(4, 4, 2, 1) W4_GEMM_CASE(8, 4, 2, 1)
+  W4_GEMM_CASE(8, 1, 1, 2) W4_GEMM_CASE(4, 1, 2, 2) W4_GEMM_CASE(4, 4, 1, 2)
+  W4_GEMM_CASE(8, 4, 1, 2) W4_GEMM_CASE(8, 4, 2, 2)
 #undef W4_GEMM_CASE
   return false;
 }
 
 // out [M, N] = x [M, K] @ W^T (+ bias); scales in x's dtype; the caller checks shapes.
-void w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+bool w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t split, int64_t mt, int64_t nt) {
+                 int64_t split, int64_t mt, int64_t nt, int64_t kw) {
   TORCH_CHECK(split >= 1, "w4_gemm: bad split");
   TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "w4_gemm: scales must be in x's dtype");
   TORCH_CHECK(out.size(1) % 8 == 0 && x.size(1) % 8 == 0, "w4_gemm: N and K must be multiples of 8");
@@ -410,19 +460,18 @@ void w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
   bool launched;
   if (x.scalar_type() == at::kHalf) {
     launched = z ? dispatch_gemm<__half, true>(x, qweight, scales, zeros, bias, out, group_size,
-                                               zero_value, num_warps, split, mt, nt)
+                                               zero_value, num_warps, split, mt, nt, kw)
                  : dispatch_gemm<__half, false>(x, qweight, scales, zeros, bias, out, group_size,
-                                                zero_value, num_warps, split, mt, nt);
+                                                zero_value, num_warps, split, mt, nt, kw);
   } else {
     launched = z ? dispatch_gemm<__nv_bfloat16, true>(x, qweight, scales, zeros, bias, out,
                                                       group_size, zero_value, num_warps, split,
-                                                      mt, nt)
+                                                      mt, nt, kw)
                  : dispatch_gemm<__nv_bfloat16, false>(x, qweight, scales, zeros, bias, out,
                                                        group_size, zero_value, num_warps, split,
-                                                       mt, nt);
+                                                       mt, nt, kw);
   }
-  TORCH_CHECK(launched, "w4_gemm: (num_warps, mt, nt) = (", num_warps, ", ", mt, ", ", nt,
-              ") is not a built configuration (w4_gemv_cuda.GEMM_CONFIGS)");
+  return launched;  // false: not built, nothing launched (the caller raises: see w4_gemv_out)
 }
 
 // W [N, K] (out) in scales' dtype from the repacked weight.

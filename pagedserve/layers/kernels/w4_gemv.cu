@@ -351,19 +351,19 @@ static bool dispatch(const torch::Tensor& x, const torch::Tensor& qweight,
 }
 
 // out [M, N] = x [M, K] @ W^T (+ bias); the caller checks shapes, dtypes and alignment.
-void w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+// Returns false, launching nothing, for an (unroll, nt) it does not build: the caller raises
+// (a c10::Error thrown after the dispatch's launches segfaulted the process on the H200,
+// sessions 6 and 7, so this path returns instead of throwing).
+bool w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
                  int64_t unroll, int64_t nt) {
   TORCH_CHECK(x.size(0) <= w4::kMaxM && num_warps >= 1 && num_warps <= 16, "w4_gemv: bad M/warps");
   TORCH_CHECK(x.size(1) < w4::kMaxK, "w4_gemv: K must be below 2^21 (group_of), got ", x.size(1));
-  const bool launched =
-      x.scalar_type() == at::kHalf
-          ? dispatch<__half>(x, qweight, scales, zeros, bias, out, group_size, zero_value,
-                             num_warps, unroll, nt)
-          : dispatch<__nv_bfloat16>(x, qweight, scales, zeros, bias, out, group_size, zero_value,
-                                    num_warps, unroll, nt);
-  TORCH_CHECK(launched, "w4_gemv: (unroll, nt) = (", unroll, ", ", nt,
-              ") is not a built configuration (w4_gemv_cuda.GEMV_CONFIGS)");
+  return x.scalar_type() == at::kHalf
+             ? dispatch<__half>(x, qweight, scales, zeros, bias, out, group_size, zero_value,
+                                num_warps, unroll, nt)
+             : dispatch<__nv_bfloat16>(x, qweight, scales, zeros, bias, out, group_size,
+                                       zero_value, num_warps, unroll, nt);
 }
 #endif  // W4_NO_TORCH

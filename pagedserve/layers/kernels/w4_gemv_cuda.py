@@ -55,14 +55,14 @@ WARPS_PER_SM = 10
 _SOURCES = [Path(__file__).with_name(name) for name in ("w4_gemv.cu", "w4_gemm.cu")]
 _LOADED: dict[str, object] = {}  # "module": the extension, once built
 _DECLARATION = """
-void w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+bool w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
                  int64_t unroll, int64_t nt);
-void w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+bool w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t split, int64_t mt, int64_t nt);
+                 int64_t split, int64_t mt, int64_t nt, int64_t kw);
 void w4_dequant_out(torch::Tensor qweight, torch::Tensor scales,
                     std::optional<torch::Tensor> zeros, torch::Tensor out, int64_t group_size,
                     int64_t zero_value);
@@ -229,10 +229,12 @@ def w4_gemv(
     out = torch.empty(x2.size(0), n, dtype=x.dtype, device=x.device)
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    load().w4_gemv_out(  # type: ignore[attr-defined]
+    launched = load().w4_gemv_out(  # type: ignore[attr-defined]
         x2, repacked, w.scales, w.zeros, bias, out, w.group_size, w.zero_value, num_warps,
         unroll, nt,
     )  # fmt: skip
+    if not launched:  # GEMV_CONFIGS and w4_gemv.cu's dispatch disagree
+        raise RuntimeError(f"w4_gemv: {(unroll, nt)} is not a built configuration of the extension")
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -243,20 +245,24 @@ GEMM_MAX_M = 65
 # Columns of a block up to M = 32: (warps, nt) = (8, 1) up to this N, else (4, 2): the H200
 # sweep's winners (benchmarks/w4_gemv_cuda.py --sweep, M = 16 / 32).
 GEMM_NARROW_N = 8192
-# (num_warps, mt, nt) of the GEMM that the extension builds (w4_gemm.cu's dispatch): warps per
-# block, m16 row tiles per block and 16-column tiles per warp.
+# (num_warps, mt, nt, kw) of the GEMM that the extension builds (w4_gemm.cu's dispatch): warps
+# per K group of a block, m16 row tiles per block, 16-column tiles per warp, and K groups per
+# block (kw x num_warps warps in all).
 GEMM_CONFIGS = (
-    (8, 1, 1), (4, 1, 2), (4, 2, 2), (8, 2, 1), (4, 4, 1), (8, 4, 1), (4, 4, 2), (8, 4, 2),
+    (8, 1, 1, 1), (4, 1, 2, 1), (4, 2, 2, 1), (8, 2, 1, 1), (4, 4, 1, 1), (8, 4, 1, 1),
+    (4, 4, 2, 1), (8, 4, 2, 1),
+    (8, 1, 1, 2), (4, 1, 2, 2), (4, 4, 1, 2), (8, 4, 1, 2), (8, 4, 2, 2),
 )  # fmt: skip
 
 
-def pick_gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(num_warps, split, mt, nt) of `w4_gemm` for M rows of x, after the H200 sweep on
+def pick_gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(num_warps, split, mt, nt, kw) of `w4_gemm` for M rows of x, after the H200 sweep on
     Llama-8B's linears (benchmarks/w4_gemv_cuda.py --sweep; BENCHMARKS.md, issue 15). Up to
     M = 32: m16 tiles per block by M, block widths by GEMM_NARROW_N, and split-K until the grid
     has about 6 (M <= 16) or 4 blocks per SM. Above: 64 rows per block (each dequantized
     weight serves them all); when blocks of 8 warps x 2 tiles already fill about one wave, those
-    without split-K (its fp32 partial sums cost more than the idle SMs: gate_up), else one tile
+    without split-K (its fp32 partial sums cost more than the idle SMs: gate_up) and with two K
+    groups (kw 2: 16 warps per SM instead of 8; gate_up 65.9 us against 69.9), else one tile
     per warp and a split per 16 chunks (4 warps, or 8 from 128 chunks: down). Every split keeps
     at least 4 chunks (256 rows of K); at most 8 splits."""
     sms = num_sms(torch.cuda.current_device())
@@ -265,16 +271,16 @@ def pick_gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     if m > 32:
         row_blocks = -(-m // 64)
         if -(-n // (TILE_N * 2 * 8)) * row_blocks >= 0.8 * sms:
-            return 8, 1, 4, 2
+            return 8, 1, 4, 2, 2
         warps = 8 if num_chunks >= 128 else 4
-        return warps, max(1, min(num_chunks // 16, max_split)), 4, 1
+        return warps, max(1, min(num_chunks // 16, max_split)), 4, 1, 1
     narrow = n <= GEMM_NARROW_N
     if m <= 16:
         mt, (warps, nt), target = 1, ((8, 1) if narrow else (4, 2)), 6 * sms
     else:
         mt, (warps, nt), target = 2, (4, 2), 4 * sms
     blocks = -(-n // (TILE_N * nt * warps)) * -(-m // (16 * mt))
-    return warps, max(1, min(-(-target // blocks), max_split)), mt, nt
+    return warps, max(1, min(-(-target // blocks), max_split)), mt, nt, 1
 
 
 def w4_gemm(
@@ -283,20 +289,20 @@ def w4_gemm(
     repacked: torch.Tensor,  # repack(w)
     scales: torch.Tensor,  # [G, N] w.scales in x's dtype
     bias: torch.Tensor | None = None,  # [N]
-    config: tuple[int, int, int, int] | None = None,  # (num_warps, split, mt, nt)
+    config: tuple[int, int, int, int, int] | None = None,  # (num_warps, split, mt, nt, kw)
 ) -> torch.Tensor:  # [M, N], x's dtype
     """x @ W^T (+ bias) on tensor cores for more than MAX_M rows (w4_gemm.cu): each weight is
     (q - z) * scale rounded to x's dtype, the products summed in fp32. For a weight that
     `supports_weight`, with N a multiple of 8 and 16-byte aligned scales / zeros (as
     `RepackedWeights` holds them); raises RuntimeError from the extension otherwise, and
-    ValueError for a config whose (num_warps, mt, nt) is not in GEMM_CONFIGS."""
+    ValueError for a config whose (num_warps, mt, nt, kw) is not in GEMM_CONFIGS."""
     m, k = x.shape
     n = w.out_features
-    warps, split, mt, nt = config or pick_gemm_config(m, n, k)
-    if (warps, mt, nt) not in GEMM_CONFIGS or split < 1:
+    warps, split, mt, nt, kw = config or pick_gemm_config(m, n, k)
+    if (warps, mt, nt, kw) not in GEMM_CONFIGS or split < 1:
         raise ValueError(
-            f"w4_gemm: (num_warps, mt, nt) = {(warps, mt, nt)} with split {split} is not "
-            f"built: split >= 1 and GEMM_CONFIGS = {GEMM_CONFIGS}"
+            f"w4_gemm: (num_warps, mt, nt, kw) = {(warps, mt, nt, kw)} with split {split} is "
+            f"not built: split >= 1 and GEMM_CONFIGS = {GEMM_CONFIGS}"
         )
     if x.stride(-1) != 1 or x.stride(0) != k or x.data_ptr() % 16 != 0:
         x = x.clone(memory_format=torch.contiguous_format)  # 16-byte copies of x rows
@@ -305,9 +311,14 @@ def w4_gemm(
         return out
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
-    load().w4_gemm_out(  # type: ignore[attr-defined]
-        x, repacked, scales, w.zeros, bias, out, w.group_size, w.zero_value, warps, split, mt, nt
-    )
+    launched = load().w4_gemm_out(  # type: ignore[attr-defined]
+        x, repacked, scales, w.zeros, bias, out, w.group_size, w.zero_value, warps, split, mt,
+        nt, kw,
+    )  # fmt: skip
+    if not launched:  # GEMM_CONFIGS and w4_gemm.cu's dispatch disagree
+        raise RuntimeError(
+            f"w4_gemm: {(warps, mt, nt, kw)} is not a built configuration of the extension"
+        )
     return out
 
 
