@@ -14,8 +14,8 @@ bf16 and fp16 (4-bit, group 128, fp16 scales, zero 8 as GPTQ symmetric; --asym: 
 For M > 8 it times the tensor-core GEMM (`w4_gemm`) and dequantize + cuBLAS
 (`dequantize_repacked`), checked against the reference with each weight rounded to x's dtype
 as they round it, and reports the one `w4_linear` takes for that M.
---sweep also times every (num_warps, unroll, nt) of the GEMV and (num_warps, split, mt, nt) of
-the GEMM, prints the best per shape and keeps every time in the JSON line's rows ("sweep").
+--sweep also times every (num_warps, unroll, nt) of the GEMV and (num_warps, split, mt, nt, kw)
+of the GEMM, prints the best per shape and keeps every time in the JSON line's rows ("sweep").
 
   python3 benchmarks/w4_gemv_cuda.py [--sweep [--gemm-config 8,1,4,2,1 ...]] [--asym] [--m 1 --m 8]
       [--dtype bfloat16] [--shape o]

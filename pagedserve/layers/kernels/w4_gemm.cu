@@ -250,33 +250,17 @@ __global__ void __launch_bounds__(WARPS * KW * 32, 16 / (WARPS * KW)) w4_gemm_ke
     constexpr int kAcc = MT * NT * 2 * 4;
     float* red = reinterpret_cast<float*>(smem);  // [kAcc][KW - 1][WARPS * 32]
     __syncthreads();
+    float* flat = &acc[0][0][0][0];  // [kAcc], registers (every index a constant once unrolled)
     if (kg > 0) {
 #pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int a = ((i * NT + j) * 2 + h) * 4 + e;
-              red[(a * (KW - 1) + kg - 1) * WARPS * 32 + tid] = acc[i][j][h][e];
-            }
+      for (int a = 0; a < kAcc; ++a) red[(a * (KW - 1) + kg - 1) * WARPS * 32 + tid] = flat[a];
     }
     __syncthreads();
     if (kg > 0) return;
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+    for (int a = 0; a < kAcc; ++a)
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int a = ((i * NT + j) * 2 + h) * 4 + e;
-#pragma unroll
-            for (int q = 0; q < KW - 1; ++q) acc[i][j][h][e] += red[(a * (KW - 1) + q) * WARPS * 32 + tid];
-          }
+      for (int q = 0; q < KW - 1; ++q) flat[a] += red[(a * (KW - 1) + q) * WARPS * 32 + tid];
     static_assert(kAcc * (KW - 1) * WARPS * 32 * 4 <= KW * kStages * stage_size * 16,
                   "the reduction fits in the rings");
   }
@@ -418,8 +402,8 @@ static void launch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Launches the built instantiation for (num_warps, mt, nt, kw); false if there is none (the
-// caller raises: see w4_gemv.cu's dispatch).
+// Launches the built instantiation for (num_warps, mt, nt, kw); false if there is none
+// (w4_gemm_out returns it: see w4_gemv_out).
 template <typename T, bool HAS_ZEROS>
 static bool dispatch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
                           const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
@@ -457,21 +441,17 @@ bool w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
   TORCH_CHECK(!zeros.has_value() || reinterpret_cast<uintptr_t>(zeros->data_ptr()) % 16 == 0,
               "w4_gemm: unaligned zeros");
   const bool z = zeros.has_value();
-  bool launched;
+  // false: not built, nothing launched (the caller raises: see w4_gemv_out)
   if (x.scalar_type() == at::kHalf) {
-    launched = z ? dispatch_gemm<__half, true>(x, qweight, scales, zeros, bias, out, group_size,
-                                               zero_value, num_warps, split, mt, nt, kw)
-                 : dispatch_gemm<__half, false>(x, qweight, scales, zeros, bias, out, group_size,
-                                                zero_value, num_warps, split, mt, nt, kw);
-  } else {
-    launched = z ? dispatch_gemm<__nv_bfloat16, true>(x, qweight, scales, zeros, bias, out,
-                                                      group_size, zero_value, num_warps, split,
-                                                      mt, nt, kw)
-                 : dispatch_gemm<__nv_bfloat16, false>(x, qweight, scales, zeros, bias, out,
-                                                       group_size, zero_value, num_warps, split,
-                                                       mt, nt, kw);
+    return z ? dispatch_gemm<__half, true>(x, qweight, scales, zeros, bias, out, group_size,
+                                           zero_value, num_warps, split, mt, nt, kw)
+             : dispatch_gemm<__half, false>(x, qweight, scales, zeros, bias, out, group_size,
+                                            zero_value, num_warps, split, mt, nt, kw);
   }
-  return launched;  // false: not built, nothing launched (the caller raises: see w4_gemv_out)
+  return z ? dispatch_gemm<__nv_bfloat16, true>(x, qweight, scales, zeros, bias, out, group_size,
+                                                zero_value, num_warps, split, mt, nt, kw)
+           : dispatch_gemm<__nv_bfloat16, false>(x, qweight, scales, zeros, bias, out, group_size,
+                                                 zero_value, num_warps, split, mt, nt, kw);
 }
 
 // W [N, K] (out) in scales' dtype from the repacked weight.

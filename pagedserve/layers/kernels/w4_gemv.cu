@@ -324,9 +324,8 @@ static void launch(const torch::Tensor& x, const torch::Tensor& qweight,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Launches the built instantiation for (unroll, nt); false if there is none (the caller raises:
-// a c10::Error thrown from here crashed the process on the H200, one from the exported function
-// does not).
+// Launches the built instantiation for (unroll, nt); false if there is none (w4_gemv_out
+// returns it: see there).
 template <typename T>
 static bool dispatch(const torch::Tensor& x, const torch::Tensor& qweight,
                      const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
