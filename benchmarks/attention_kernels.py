@@ -8,7 +8,8 @@ median), so the numbers are GPU time without Python launch overhead. Decode band
 the K and V bytes read (sum of seq_lens x num_kv_heads x head_dim x 2 x dtype size) over the
 time, against a device-to-device copy measured in the same run. Prints a table and one JSON
 line per row; `--sweep decode,splits,prefill,batched` also times alternative tile configurations and
-split counts (the data behind the defaults in triton_backend.py); `batched` on the shapes of
+split counts (the data behind the defaults in triton_backend.py); `small` split-KV tiles at
+batches 1-16 (split_min_tiles); `batched` on the shapes of
 a batched-throughput step (256 decodes at ~600 keys; 16 prompts of 512 tokens).
 `--kv-cache-dtype fp8` (or fp8_e5m2) runs the same rows over an fp8 cache with per-tensor
 scales (queries stay bf16; bandwidth counts the fp8 bytes), to compare with the bf16 cache.
@@ -33,6 +34,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.triton_backend import (
     AttentionPlan,
     TileConfig,
+    choose_num_splits,
     paged_attention,
     plan_attention,
     store_kv,
@@ -275,6 +277,38 @@ def sweep_splits(cache: Cache, rows: list[dict[str, Any]]) -> None:
                              heuristic=heuristic))  # fmt: skip
 
 
+def sweep_small_batches(cache: Cache, rows: list[dict[str, Any]]) -> None:
+    """Split-KV decode at batches too small to fill the GPU: tile_n x warps x the fewest tiles
+    per split, each with the split count the heuristic would give it, and batch 1 also with
+    64 splits launched (a CUDA graph captured at a long max_model_len plans that many)."""
+    num_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    shapes = [(1, 1024), (1, 2048), (1, 4096), (1, 8192), (4, 1024), (4, 4096), (16, 1024)]
+    for batch, context in shapes:
+        query_lens, seq_lens = [1] * batch, [context] * batch
+        base = default_plan(cache.metadata(query_lens, seq_lens))
+        assert base.decode is not None
+        default_ms = time_attention(cache, query_lens, seq_lens, default_plan)
+        rows.append(dict(kind="small_default", batch=batch, context=context,
+                         num_splits=base.num_splits, split_min_tiles=base.split_min_tiles,
+                         tile_n=base.decode.tile_n, num_warps=base.decode.num_warps,
+                         ms=round(default_ms, 4)))  # fmt: skip
+        for tile_n, warps, min_tiles in itertools.product([32, 64], [2, 4], [1, 2, 4]):
+            tile = TileConfig(base.decode.block_m, tile_n, warps, base.decode.num_stages)
+            heuristic = choose_num_splits(batch * NUM_KV_HEADS, context, num_sms,
+                                          min_tiles * tile_n)  # fmt: skip
+            for num_splits in dict.fromkeys([heuristic, 64 if batch == 1 else heuristic]):
+                plan = AttentionPlan(tile, None, base.decode_max_query_len, num_splits, min_tiles)
+                ms = time_attention(cache, query_lens, seq_lens, lambda md, plan=plan: plan)
+                error = _rel_error_vs_default(
+                    cache, query_lens, seq_lens, lambda md, plan=plan: plan
+                )
+                rows.append(dict(kind="sweep_small", batch=batch, context=context,
+                                 tile_n=tile_n, num_warps=warps, split_min_tiles=min_tiles,
+                                 num_splits=num_splits, ms=round(ms, 4),
+                                 vs_default=round(ms / default_ms, 3),
+                                 rel_err_vs_default=float(f"{error:.1e}")))  # fmt: skip
+
+
 def sweep_prefill(cache: Cache, rows: list[dict[str, Any]]) -> None:
     """Alternative prefill tiles (block_m, tile_n, num_warps, num_stages)."""
     prefill_tiles = [
@@ -341,8 +375,9 @@ def sweep_batched(cache: Cache, rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--sweep", default="", help="comma list of extra sweeps: decode, splits, prefill, batched"
-    )
+        "--sweep", default="",
+        help="comma list of extra sweeps: decode, splits, small, prefill, batched",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a few rows only")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     parser.add_argument(
@@ -386,6 +421,8 @@ def main() -> None:
         sweep_decode(cache, rows, shapes)
     if "splits" in sweeps:
         sweep_splits(cache, rows)
+    if "small" in sweeps:
+        sweep_small_batches(cache, rows)
     if "prefill" in sweeps:
         sweep_prefill(cache, rows)
     if "batched" in sweeps:

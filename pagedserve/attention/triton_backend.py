@@ -22,10 +22,11 @@ from pagedserve.attention.metadata import AttentionMetadata
 _LOG2E = 1.4426950408889634
 _DEFAULT_NUM_SMS = 132  # H200; used off CUDA (Triton's CPU interpreter)
 # Split-KV: fill up to this many programs per SM in the decode launch (its default tiles fit
-# 5), give each split at least this many keys (fewer make the partial writes and the combine
-# cost more than they save), and never exceed this many splits.
+# 5), give each split at least this many key tiles (a request uses fewer splits when it has
+# fewer tiles: the kernel's `_split_tiles`), and never exceed this many splits (a power of
+# two: the combine loads that many partials at once, masked).
 _SPLIT_PROGRAMS_PER_SM = 4
-_MIN_KEYS_PER_SPLIT = 256
+_SPLIT_MIN_TILES = 1
 _MAX_SPLITS = 64
 _MAX_QUERY_LEN = 2**31 - 1
 
@@ -53,6 +54,9 @@ class AttentionPlan:
     prefill: TileConfig | None
     decode_max_query_len: int
     num_splits: int  # split-KV programs per (request, kv head) in the decode launch; 1 = off
+    # A request uses at most cdiv(its key tiles, this) of the splits (so a graph captured at
+    # max_model_len does not cut a short request into slivers).
+    split_min_tiles: int = _SPLIT_MIN_TILES
 
 
 def _next_pow2(n: int) -> int:
@@ -100,12 +104,13 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def choose_num_splits(num_programs: int, max_keys: int, num_sms: int) -> int:
+def choose_num_splits(num_programs: int, max_keys: int, num_sms: int, min_keys: int) -> int:
     """Splits per (request, kv head) so that a decode launch of `num_programs` programs fills
     the GPU in one wave: none when it already has enough programs or the key ranges are short.
-    `max_keys`: the most keys one program reads (the longest sequence, or the window)."""
+    `max_keys`: the most keys one program reads (the longest sequence, or the window);
+    `min_keys`: the fewest keys worth a split of their own."""
     wanted = _SPLIT_PROGRAMS_PER_SM * num_sms // max(num_programs, 1)
-    most = max_keys // _MIN_KEYS_PER_SPLIT
+    most = max_keys // max(min_keys, 1)
     return max(min(wanted, most, _MAX_SPLITS), 1)
 
 
@@ -142,7 +147,9 @@ def plan_attention(
         max_keys = attn_metadata.max_seq_len
         if sliding_window is not None:
             max_keys = min(max_keys, sliding_window + decode_max_query_len - 1)
-        num_splits = choose_num_splits(num_decode_reqs * num_kv_heads, max_keys, num_sms)
+        num_splits = choose_num_splits(
+            num_decode_reqs * num_kv_heads, max_keys, num_sms, _SPLIT_MIN_TILES * decode.tile_n
+        )
     if num_splits == 1:
         decode = decode_tile_config(group, head_dim, dtype, split=False)
     prefill = prefill_tile_config(group, head_dim, dtype) if has_prefill else None
@@ -229,6 +236,7 @@ def paged_attention(
         tile = plan.decode
         block_q = tile.block_m // group
         num_splits = plan.num_splits
+        assert num_splits <= _MAX_SPLITS, num_splits
         partial_shape = (md.num_reqs, num_kv_heads, num_splits, tile.block_m)
         partial_max = partial_sum = partial_acc = out  # placeholders when not split
         if num_splits > 1:
@@ -239,15 +247,17 @@ def paged_attention(
             out_ptr=out, partial_acc_ptr=partial_acc, partial_max_ptr=partial_max,
             partial_sum_ptr=partial_sum, query_len_lo=1, query_len_hi=plan.decode_max_query_len,
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, TILE_N=tile.tile_n,
-            ONE_Q_BLOCK=True, SPLIT_KV=num_splits > 1,
+            ONE_Q_BLOCK=True, SPLIT_KV=num_splits > 1, SPLIT_MIN_TILES=plan.split_min_tiles,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **common,
         )  # fmt: skip
         if num_splits > 1:
-            combine_splits_kernel[(md.num_reqs, num_kv_heads)](
-                out, partial_acc, partial_max, partial_sum, md.query_start_loc, num_splits,
-                1, plan.decode_max_query_len, out.stride(0), out.stride(1),
+            combine_splits_kernel[(md.num_reqs, num_kv_heads, block_q * group)](
+                out, partial_acc, partial_max, partial_sum, md.query_start_loc, md.seq_lens,
+                num_splits, 1, plan.decode_max_query_len, out.stride(0), out.stride(1),
                 NUM_QUERIES_PER_KV=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-                BLOCK_M=tile.block_m, BLOCK_Q=block_q, num_warps=4,
+                BLOCK_M=tile.block_m, BLOCK_Q=block_q, TILE_N=tile.tile_n,
+                SLIDING_WINDOW=sliding_window or 0, SPLIT_MIN_TILES=plan.split_min_tiles,
+                MAX_SPLITS=_MAX_SPLITS, num_warps=4 if head_dim_pad <= 128 else 8,
             )  # fmt: skip
     if plan.prefill is not None:
         tile = plan.prefill
@@ -257,7 +267,7 @@ def paged_attention(
             out_ptr=out, partial_acc_ptr=out, partial_max_ptr=out, partial_sum_ptr=out,
             query_len_lo=plan.decode_max_query_len + 1, query_len_hi=_MAX_QUERY_LEN,
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, TILE_N=tile.tile_n,
-            ONE_Q_BLOCK=False, SPLIT_KV=False,
+            ONE_Q_BLOCK=False, SPLIT_KV=False, SPLIT_MIN_TILES=plan.split_min_tiles,
             num_warps=tile.num_warps, num_stages=tile.num_stages, **common,
         )  # fmt: skip
 

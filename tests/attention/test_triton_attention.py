@@ -254,6 +254,21 @@ def test_split_kv_matches_reference(
     check_against_reference(batch, num_splits=num_splits)
 
 
+@gpu_or_interpreter
+@pytest.mark.parametrize("num_splits", [2, 7, 64])
+def test_split_kv_uses_the_splits_each_request_needs(num_splits: int) -> None:
+    """A launch of up to 64 splits (as a graph captured at a long max_model_len plans) over
+    short requests: each request uses at most cdiv(its tiles, split_min_tiles) splits, the
+    rest exit, and the combine merges only the used ones. Decode q blocks of 1-4 tokens,
+    whose later rows see keys the earlier rows do not (-inf partials). Runs under
+    TRITON_INTERPRET=1 too (fp32: 32-key tiles)."""
+    batch = make_batch(
+        [1, 4, 2, 1, 3, 1], [0, 300, 61, 130, 5, 2000], 4, 8, 2, 16, torch.float32,
+        zlib.crc32(repr(("used splits", num_splits)).encode()), FP8_DEVICE,
+    )  # fmt: skip
+    check_against_reference(batch, num_splits=num_splits)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(16, 8, 128), (64, 20, 80)])
@@ -393,12 +408,15 @@ def _metadata_with(query_lens: list[int], seq_lens: list[int]) -> AttentionMetad
 
 
 def test_split_heuristic_fills_the_gpu_only_when_needed() -> None:
-    assert choose_num_splits(num_programs=8, max_keys=8192, num_sms=132) == 32
-    assert choose_num_splits(num_programs=8, max_keys=1024, num_sms=132) == 4
-    assert choose_num_splits(num_programs=128, max_keys=8192, num_sms=132) == 4
-    assert choose_num_splits(num_programs=512, max_keys=8192, num_sms=132) == 1
-    assert choose_num_splits(num_programs=1, max_keys=100_000, num_sms=132) == 64
-    assert choose_num_splits(num_programs=8, max_keys=100, num_sms=132) == 1
+    def splits(programs: int, max_keys: int) -> int:
+        return choose_num_splits(programs, max_keys, num_sms=132, min_keys=128)
+
+    assert splits(8, 8192) == 64  # 4 * 132 // 8 = 66 wanted, 64 at most
+    assert splits(8, 1024) == 8  # 128 keys each
+    assert splits(128, 8192) == 4
+    assert splits(512, 8192) == 1
+    assert splits(1, 100_000) == 64
+    assert splits(8, 100) == 1
 
 
 def test_plan_routes_requests_by_query_len() -> None:
@@ -676,8 +694,8 @@ def test_split_heuristic_counts_the_window_not_the_sequence() -> None:
     cpu = torch.device("cpu")
     md = _metadata_with([1, 1], [100_000, 30])
     assert plan_attention(md, 32, 8, 128, torch.bfloat16, cpu).num_splits > 1
-    windowed = plan_attention(md, 32, 8, 128, torch.bfloat16, cpu, sliding_window=256)
-    assert windowed.num_splits == 1  # 256 keys per program: not worth splitting
+    windowed = plan_attention(md, 32, 8, 128, torch.bfloat16, cpu, sliding_window=100)
+    assert windowed.num_splits == 1  # 103 keys per program: fewer than a split's minimum
 
 
 @gpu_or_interpreter

@@ -66,6 +66,49 @@ def _find_request(query_start_loc_ptr, num_reqs, q_block_id, BLOCK_Q: tl.constex
 
 
 @triton.jit
+def _key_tiles(
+    seq_len,
+    context_len,
+    q_block,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+):
+    """The key tiles one q block reads: (num_keys, num_full_tiles, num_tiles, window_lo,
+    first_tile, first_full). Keys at positions < num_keys (>= window_lo with a window) are
+    visible to some row; tiles first_tile .. num_tiles - 1 are read, those in
+    [first_full, num_full_tiles) without masks."""
+    # Keys this q block sees: up to its last token's position. Keys below its first token's
+    # position + 1 are visible to every row, so whole tiles of them need no mask.
+    num_keys = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    num_full_tiles = (context_len + q_block * BLOCK_Q + 1) // TILE_N
+    num_tiles = tl.cdiv(num_keys, TILE_N)
+    window_lo = 0
+    first_tile = 0
+    first_full = 0
+    if SLIDING_WINDOW > 0:
+        # The first row's window starts at window_lo; tiles from `first_full` on are inside
+        # the last row's window (it starts at num_keys - W), hence every row's.
+        window_lo = tl.maximum(context_len + q_block * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+        first_tile = window_lo // TILE_N
+        first_full = tl.cdiv(tl.maximum(num_keys - SLIDING_WINDOW, 0), TILE_N)
+        first_full = tl.minimum(tl.maximum(first_full, first_tile), num_tiles)
+        num_full_tiles = tl.maximum(num_full_tiles, first_full)
+    return num_keys, num_full_tiles, num_tiles, window_lo, first_tile, first_full
+
+
+@triton.jit
+def _split_tiles(num_tiles, num_splits, SPLIT_MIN_TILES: tl.constexpr):
+    """(used splits, tiles per split) for a request with `num_tiles` key tiles (>= 1) in a
+    launch of `num_splits` splits: each used split gets >= SPLIT_MIN_TILES tiles where there
+    are enough, and every used split gets at least one (the rest exit without writing). A
+    graph captured for max_model_len thus splits a short request only as far as it pays."""
+    wanted = tl.maximum(tl.minimum(num_splits, tl.cdiv(num_tiles, SPLIT_MIN_TILES)), 1)
+    tiles_per_split = tl.cdiv(num_tiles, wanted)
+    return tl.cdiv(num_tiles, tiles_per_split), tiles_per_split
+
+
+@triton.jit
 def _attend_tiles(
     acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32, unnormalized output
     m_i,  # [BLOCK_M] fp32, running max of the scaled scores (base 2)
@@ -188,6 +231,7 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr,
     ONE_Q_BLOCK: tl.constexpr,  # grid axis 0 is the request (every query_len <= BLOCK_Q)
     SPLIT_KV: tl.constexpr,  # write partial (acc, max, sum) per split instead of the output
+    SPLIT_MIN_TILES: tl.constexpr,  # a request uses at most cdiv(its tiles, this) splits
     DOT_PRECISION: tl.constexpr,
     KV_SCALED: tl.constexpr,  # the cache holds K / k_scale and V / v_scale (fp8)
     F16_DOTS: tl.constexpr = False,  # fp8 cache, bf16 queries: the dots in fp16 (docstring)
@@ -211,15 +255,27 @@ def paged_attention_kernel(
         q_block = q_block_id - (tl.load(query_start_loc_ptr + req) // BLOCK_Q + req)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
 
     q_start = tl.load(query_start_loc_ptr + req)
     query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)  # before the exit test: its latency overlaps
     skip = (query_len < query_len_lo) | (query_len > query_len_hi)
     if skip | (q_block * BLOCK_Q >= query_len):
         return
-    seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - query_len
+
+    num_keys, num_full_tiles, num_tiles, window_lo, first_tile, first_full = _key_tiles(
+        seq_len, context_len, q_block, BLOCK_Q, TILE_N, SLIDING_WINDOW
+    )
+    # Splits share the tiles from first_tile on: a window's O(W) tiles, not the sequence's.
+    # (Without SPLIT_KV there is one split, which takes them all.)
+    used_splits, tiles_per_split = _split_tiles(
+        num_tiles - first_tile, tl.num_programs(2), SPLIT_MIN_TILES
+    )
+    if split >= used_splits:  # the combine reads only the used splits
+        return
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -234,26 +290,6 @@ def paged_attention_kernel(
     q = tl.load(query_ptr + q_offsets, mask=io_mask, other=0.0)
     if F16_DOTS:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-
-    # Keys this q block sees: up to its last token's position. Keys below its first token's
-    # position + 1 are visible to every row, so whole tiles of them need no mask.
-    num_keys = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    num_full_tiles = (context_len + q_block * BLOCK_Q + 1) // TILE_N
-    num_tiles = tl.cdiv(num_keys, TILE_N)
-    window_lo = 0
-    first_tile = 0
-    if SLIDING_WINDOW > 0:
-        # The first row's window starts at window_lo; tiles from `first_full` on are inside
-        # the last row's window (it starts at num_keys - W), hence every row's.
-        window_lo = tl.maximum(context_len + q_block * BLOCK_Q - SLIDING_WINDOW + 1, 0)
-        first_tile = window_lo // TILE_N
-        first_full = tl.cdiv(tl.maximum(num_keys - SLIDING_WINDOW, 0), TILE_N)
-        first_full = tl.minimum(tl.maximum(first_full, first_tile), num_tiles)
-        num_full_tiles = tl.maximum(num_full_tiles, first_full)
-    # Splits share the tiles from first_tile on: a window's O(W) tiles, not the sequence's.
-    tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
-    tile_lo = first_tile + split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     if KV_SCALED:
         qk_scale = qk_scale * tl.load(k_scale_ptr)  # q . (k_scale * k) = k_scale * (q . k)
@@ -290,8 +326,9 @@ def paged_attention_kernel(
     if KV_SCALED:
         acc = acc * tl.load(v_scale_ptr)  # sum p * (v_scale * v) = v_scale * sum p * v
     if SPLIT_KV:
-        # Empty splits (fewer tiles than splits) store m = -inf, l = 0, acc = 0.
-        part = ((req * tl.num_programs(1) + kv_head) * num_splits + split) * BLOCK_M + offs_m
+        # A row that sees no key of this split (causal, window) stores m = -inf, l = 0.
+        part = (req * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
+        part = part * BLOCK_M + offs_m
         tl.store(partial_max_ptr + part, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + part, l_i, mask=row_valid)
         tl.store(
@@ -313,6 +350,7 @@ def combine_splits_kernel(
     partial_max_ptr,  # [num_reqs, num_kv_heads, num_splits, BLOCK_M] fp32
     partial_sum_ptr,  # [num_reqs, num_kv_heads, num_splits, BLOCK_M] fp32
     query_start_loc_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
     num_splits,
     query_len_lo,
     query_len_hi,
@@ -323,48 +361,55 @@ def combine_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    SPLIT_MIN_TILES: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,  # a power of two >= num_splits (one compiled variant for all)
 ):
-    """Grid (num_reqs, num_kv_heads): merge the split-KV partial results of one request's
-    single q block (the split path serves only launches with ONE_Q_BLOCK). Each split holds
-    (m_s, l_s, acc_s) over its key range; with M = max_s m_s the exact result is
-    sum_s exp2(m_s - M) * acc_s / sum_s exp2(m_s - M) * l_s, accumulated here in one pass."""
+    """Grid (num_reqs, num_kv_heads, BLOCK_Q * NUM_QUERIES_PER_KV): merge the split-KV partial
+    results of one row (token, query head) of a request's single q block (the split path
+    serves only launches with ONE_Q_BLOCK). The row's used splits (the decode kernel's
+    `_split_tiles`, recomputed here) each hold (m_s, l_s, acc_s) over their key range; with
+    M = max_s m_s the exact result is sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s.
+    All splits are loaded at once (one memory round trip, not one per split)."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
+    row = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
     query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    if (query_len < query_len_lo) | (query_len > query_len_hi):
+    seq_len = tl.load(seq_lens_ptr + req)
+    q_index = row // NUM_QUERIES_PER_KV
+    skip = (query_len < query_len_lo) | (query_len > query_len_hi)
+    if skip | (q_index >= query_len):
         return
+    _, _, num_tiles, _, first_tile, _ = _key_tiles(
+        seq_len, seq_len - query_len, 0, BLOCK_Q, TILE_N, SLIDING_WINDOW
+    )
+    used_splits, _ = _split_tiles(num_tiles - first_tile, num_splits, SPLIT_MIN_TILES)
 
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_s = tl.arange(0, MAX_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    q_index = offs_m // NUM_QUERIES_PER_KV
-    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
-    row_valid = (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_index < query_len)
-
-    m_tot = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    base = (req * tl.num_programs(1) + kv_head) * num_splits * BLOCK_M
-    for split in range(num_splits):
-        part = base + split * BLOCK_M + offs_m
-        m_s = tl.load(partial_max_ptr + part, mask=row_valid, other=float("-inf"))
-        l_s = tl.load(partial_sum_ptr + part, mask=row_valid, other=0.0)
-        acc_s = tl.load(
-            partial_acc_ptr + part.to(tl.int64)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-            mask=row_valid[:, None],
-            other=0.0,
-        )
-        m_new = tl.maximum(m_tot, m_s)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_tot - m_ref)
-        beta = tl.math.exp2(m_s - m_ref)
-        l_tot = l_tot * alpha + l_s * beta
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        m_tot = m_new
+    s_valid = offs_s < used_splits
+    part = ((req * tl.num_programs(1) + kv_head) * num_splits + offs_s) * BLOCK_M + row
+    m_s = tl.load(partial_max_ptr + part, mask=s_valid, other=float("-inf"))
+    l_s = tl.load(partial_sum_ptr + part, mask=s_valid, other=0.0)
+    acc_s = tl.load(
+        partial_acc_ptr + part.to(tl.int64)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+        mask=s_valid[:, None],
+        other=0.0,
+    )  # [MAX_SPLITS, HEAD_DIM_PAD]
+    m_tot = tl.max(m_s, 0)
+    # A split where the row saw no key has m_s = -inf (weight 0); the row saw its own key in
+    # some split, so m_tot is finite; the guard only keeps -inf - -inf out of exp2.
+    m_ref = tl.where(m_tot == float("-inf"), 0.0, m_tot)
+    weight = tl.math.exp2(m_s - m_ref)
+    l_tot = tl.sum(weight * l_s, 0)
+    acc = tl.sum(weight[:, None] * acc_s, 0)  # [HEAD_DIM_PAD]
 
     token = (q_start + q_index).to(tl.int64)
+    head = kv_head * NUM_QUERIES_PER_KV + row % NUM_QUERIES_PER_KV
     tl.store(
-        out_ptr + token[:, None] * stride_o_token + head[:, None] * stride_o_head + offs_d[None, :],
-        (acc / l_tot[:, None]).to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
+        out_ptr + token * stride_o_token + head * stride_o_head + offs_d,
+        (acc / l_tot).to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
     )
