@@ -22,9 +22,9 @@ from pagedserve.attention.metadata import AttentionMetadata
 _LOG2E = 1.4426950408889634
 _DEFAULT_NUM_SMS = 132  # H200; used off CUDA (Triton's CPU interpreter)
 # Split-KV: fill up to this many programs per SM in the decode launch (its default tiles fit
-# 5), give each split at least this many key tiles (a request uses fewer splits when it has
-# fewer tiles: the kernel's `_split_tiles`), and never exceed this many splits (a power of
-# two: the combine loads that many partials at once, masked).
+# 5), use at most (a request's key tiles) // this many splits per request (the kernel's
+# `_split_tiles`: each split but a request's last gets at least this many tiles), and never
+# exceed this many splits (a power of two: the combine loads that many partials at once).
 _SPLIT_PROGRAMS_PER_SM = 4
 _SPLIT_MIN_TILES = 1
 _MAX_SPLITS = 64
@@ -204,7 +204,8 @@ def paged_attention(
     `sliding_window` W: a token at position p sees keys p - W + 1 .. p, and block-table
     entries of keys before the window of a request's first new token are never read (the KV
     manager may have freed them). `logits_soft_cap` c: scores become c * tanh(score / c).
-    Each is a compile-time constant of the kernels (None compiles them out)."""
+    Each is a compile-time constant of the kernels (None compiles them out). ValueError for a
+    plan of more than 64 (`_MAX_SPLITS`) or fewer than 1 splits."""
     md = attn_metadata
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -236,7 +237,8 @@ def paged_attention(
         tile = plan.decode
         block_q = tile.block_m // group
         num_splits = plan.num_splits
-        assert num_splits <= _MAX_SPLITS, num_splits
+        if not 1 <= num_splits <= _MAX_SPLITS:  # a forced count (the heuristic stays inside)
+            raise ValueError(f"num_splits must be 1..{_MAX_SPLITS}, got {num_splits}")
         partial_shape = (md.num_reqs, num_kv_heads, num_splits, tile.block_m)
         partial_max = partial_sum = partial_acc = out  # placeholders when not split
         if num_splits > 1:
@@ -284,6 +286,10 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self, num_splits: int | None = None) -> None:
+        """`num_splits`: force the decode launch's split count, 1..64 (ValueError otherwise);
+        None: the heuristic (`choose_num_splits`)."""
+        if num_splits is not None and not 1 <= num_splits <= _MAX_SPLITS:
+            raise ValueError(f"num_splits must be 1..{_MAX_SPLITS} or None, got {num_splits}")
         self.num_splits = num_splits  # None: heuristic; tests force the split-KV path
         self._planned_md: AttentionMetadata | None = None  # the plans' step
         self._plans: dict[tuple[object, ...], AttentionPlan] = {}

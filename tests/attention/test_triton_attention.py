@@ -4,7 +4,8 @@ GPU tests draw fresh random inputs per case, poison the output (NaN) and the unu
 slots, and compare with `TorchAttentionBackend` run in float64. The planner tests need Triton
 but no GPU. The fp8 KV cache tests and the small sliding-window / soft-cap tests also run on
 the CPU under Triton's interpreter (`TRITON_INTERPRET=1 pytest
-tests/attention/test_triton_attention.py -k "fp8 or sliding or alternates"`; small shapes, no
+tests/attention/test_triton_attention.py -k "fp8 or sliding or alternates or uses_the_splits"`,
+which tests/attention/test_triton_interpreter.py runs in every CPU test run; small shapes, no
 bf16 dots there), and on the GPU as `gpu` tests. Sliding-window tests fill the blocks wholly
 before each request's window with NaN: the KV manager frees those, and they must not be read.
 """
@@ -419,6 +420,21 @@ def test_split_heuristic_fills_the_gpu_only_when_needed() -> None:
     assert splits(8, 100) == 1
 
 
+def test_a_forced_split_count_beyond_the_combine_is_refused() -> None:
+    """The combine loads at most 64 splits' partials: a forced count outside 1..64 is a
+    ValueError, from the backend's constructor and from paged_attention itself."""
+    with pytest.raises(ValueError, match="num_splits must be 1..64"):
+        TritonAttentionBackend(num_splits=65)
+    with pytest.raises(ValueError, match="num_splits must be 1..64"):
+        TritonAttentionBackend(num_splits=0)
+    md = _metadata_with([1], [100])
+    plan = plan_attention(md, 8, 8, 64, torch.float32, torch.device("cpu"), 65)
+    query = torch.zeros(1, 8, 64)
+    cache = torch.zeros(2, 8, 16, 8, 64)
+    with pytest.raises(ValueError, match="num_splits must be 1..64, got 65"):
+        paged_attention(torch.empty_like(query), query, cache, md, 0.125, plan)
+
+
 def test_plan_routes_requests_by_query_len() -> None:
     cpu = torch.device("cpu")
     decode_only = plan_attention(_metadata_with([1, 1], [4000, 30]), 32, 8, 128,
@@ -695,7 +711,7 @@ def test_split_heuristic_counts_the_window_not_the_sequence() -> None:
     md = _metadata_with([1, 1], [100_000, 30])
     assert plan_attention(md, 32, 8, 128, torch.bfloat16, cpu).num_splits > 1
     windowed = plan_attention(md, 32, 8, 128, torch.bfloat16, cpu, sliding_window=100)
-    assert windowed.num_splits == 1  # 103 keys per program: fewer than a split's minimum
+    assert windowed.num_splits == 1  # 103 keys per program: one 64-key tile's worth
 
 
 @gpu_or_interpreter

@@ -100,10 +100,11 @@ def _key_tiles(
 @triton.jit
 def _split_tiles(num_tiles, num_splits, SPLIT_MIN_TILES: tl.constexpr):
     """(used splits, tiles per split) for a request with `num_tiles` key tiles (>= 1) in a
-    launch of `num_splits` splits: each used split gets >= SPLIT_MIN_TILES tiles where there
-    are enough, and every used split gets at least one (the rest exit without writing). A
-    graph captured for max_model_len thus splits a short request only as far as it pays."""
-    wanted = tl.maximum(tl.minimum(num_splits, tl.cdiv(num_tiles, SPLIT_MIN_TILES)), 1)
+    launch of `num_splits` splits: at most num_tiles // SPLIT_MIN_TILES splits (at least one),
+    each of tiles_per_split >= SPLIT_MIN_TILES tiles but the last (which gets the >= 1 left);
+    the launch's other splits exit without writing. A graph captured for max_model_len thus
+    splits a short request only as far as it pays."""
+    wanted = tl.maximum(tl.minimum(num_splits, num_tiles // SPLIT_MIN_TILES), 1)
     tiles_per_split = tl.cdiv(num_tiles, wanted)
     return tl.cdiv(num_tiles, tiles_per_split), tiles_per_split
 
@@ -242,8 +243,8 @@ def paged_attention_kernel(
     else it is a global q block index (num_tokens // BLOCK_Q + num_reqs of them, taken in
     reverse), mapped to its request by binary search. Axis 2 splits each request's key tiles
     into contiguous ranges (flash-decoding); it is 1 unless SPLIT_KV. Requests outside
-    [query_len_lo, query_len_hi] (another launch's, or query_len 0 padding) and q blocks past
-    a request's end exit at once.
+    [query_len_lo, query_len_hi] (another launch's, or query_len 0 padding), q blocks past
+    a request's end, and splits past the ones a request uses (`_split_tiles`) exit at once.
     """
     if ONE_Q_BLOCK:
         req = tl.program_id(0)
