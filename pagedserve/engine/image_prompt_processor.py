@@ -36,7 +36,8 @@ class ImagePromptProcessor:
         from transformers import AutoImageProcessor, AutoTokenizer
 
         kwargs: dict[str, Any] = dict(local_files_only=True, trust_remote_code=trust_remote_code)
-        image_processor = AutoImageProcessor.from_pretrained(model_dir, **kwargs)  # type: ignore[no-untyped-call]
+        # untyped before transformers 5.25, typed since
+        image_processor = AutoImageProcessor.from_pretrained(model_dir, **kwargs)  # type: ignore[no-untyped-call, unused-ignore]
         if getattr(image_processor, "merge_size", None) is None:
             raise ValueError(f"{type(image_processor).__name__} is not a Qwen2-VL image processor")
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)

@@ -172,10 +172,12 @@ def complete_main(args: argparse.Namespace) -> int:
         return 0
     print(f"Using model: {model}")
 
+    # Without --max-tokens the field is left out, so the server's default (16) applies: an
+    # explicit null means "up to the context length" (vLLM reads it so; we do too).
+    limit = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
+
     def ask(prompt: str) -> None:
-        stream = client.completions.create(
-            model=model, prompt=prompt, max_tokens=args.max_tokens, stream=True
-        )
+        stream = client.completions.create(model=model, prompt=prompt, stream=True, **limit)
         stream_text(stream, lambda choice: choice.text, sys.stdout)
 
     return _converse(args, "complete", ask, "Please enter prompt to complete:")

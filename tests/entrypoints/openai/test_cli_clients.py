@@ -183,6 +183,12 @@ def test_interactive_complete_sends_each_line(recorder: Any) -> None:
     assert done.returncode == 0, done.stderr
     assert [(b["prompt"], b["max_tokens"]) for b in bodies] == [("one", 7), ("two", 7)]
     assert "> reply-1\n" in done.stdout and "> reply-2\n" in done.stdout
+    # Without --max-tokens the field is left out (the server's 16, as its --help says): a
+    # null was sent, which the server reads as "up to the context length".
+    bodies.clear()
+    done = pagedserve("complete", "--url", url, "-q", "three")
+    assert done.returncode == 0, done.stderr
+    assert [b["prompt"] for b in bodies] == ["three"] and "max_tokens" not in bodies[0]
 
 
 def test_a_line_that_is_not_utf8_is_reported_and_the_session_goes_on(recorder: Any) -> None:
