@@ -54,7 +54,7 @@ class AttentionPlan:
     prefill: TileConfig | None
     decode_max_query_len: int
     num_splits: int  # split-KV programs per (request, kv head) in the decode launch; 1 = off
-    # A request uses at most cdiv(its key tiles, this) of the splits (so a graph captured at
+    # A request uses at most (its key tiles) // this of the splits (so a graph captured at
     # max_model_len does not cut a short request into slivers).
     split_min_tiles: int = _SPLIT_MIN_TILES
 
@@ -95,6 +95,13 @@ def prefill_tile_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dty
         return TileConfig(max(32, group_m), 32, num_warps=4, num_stages=1)
     tile_n = 32 if _head_dim_pad(head_dim) > 128 else 64
     return TileConfig(max(64, group_m), tile_n, num_warps=4, num_stages=2)
+
+
+def _check_num_splits(num_splits: int) -> None:
+    """ValueError for a forced split count the combine cannot merge (it loads at most
+    _MAX_SPLITS partials per row)."""
+    if not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be 1..{_MAX_SPLITS}, got {num_splits}")
 
 
 @functools.cache
@@ -237,8 +244,7 @@ def paged_attention(
         tile = plan.decode
         block_q = tile.block_m // group
         num_splits = plan.num_splits
-        if not 1 <= num_splits <= _MAX_SPLITS:  # a forced count (the heuristic stays inside)
-            raise ValueError(f"num_splits must be 1..{_MAX_SPLITS}, got {num_splits}")
+        _check_num_splits(num_splits)  # a forced count (the heuristic stays inside)
         partial_shape = (md.num_reqs, num_kv_heads, num_splits, tile.block_m)
         partial_max = partial_sum = partial_acc = out  # placeholders when not split
         if num_splits > 1:
@@ -269,7 +275,7 @@ def paged_attention(
             out_ptr=out, partial_acc_ptr=out, partial_max_ptr=out, partial_sum_ptr=out,
             query_len_lo=plan.decode_max_query_len + 1, query_len_hi=_MAX_QUERY_LEN,
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, TILE_N=tile.tile_n,
-            ONE_Q_BLOCK=False, SPLIT_KV=False, SPLIT_MIN_TILES=plan.split_min_tiles,
+            ONE_Q_BLOCK=False, SPLIT_KV=False, SPLIT_MIN_TILES=1,  # one split: unused
             num_warps=tile.num_warps, num_stages=tile.num_stages, **common,
         )  # fmt: skip
 
@@ -288,8 +294,8 @@ class TritonAttentionBackend:
     def __init__(self, num_splits: int | None = None) -> None:
         """`num_splits`: force the decode launch's split count, 1..64 (ValueError otherwise);
         None: the heuristic (`choose_num_splits`)."""
-        if num_splits is not None and not 1 <= num_splits <= _MAX_SPLITS:
-            raise ValueError(f"num_splits must be 1..{_MAX_SPLITS} or None, got {num_splits}")
+        if num_splits is not None:
+            _check_num_splits(num_splits)
         self.num_splits = num_splits  # None: heuristic; tests force the split-KV path
         self._planned_md: AttentionMetadata | None = None  # the plans' step
         self._plans: dict[tuple[object, ...], AttentionPlan] = {}

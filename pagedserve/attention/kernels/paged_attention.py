@@ -232,7 +232,7 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr,
     ONE_Q_BLOCK: tl.constexpr,  # grid axis 0 is the request (every query_len <= BLOCK_Q)
     SPLIT_KV: tl.constexpr,  # write partial (acc, max, sum) per split instead of the output
-    SPLIT_MIN_TILES: tl.constexpr,  # a request uses at most cdiv(its tiles, this) splits
+    SPLIT_MIN_TILES: tl.constexpr,  # a request uses at most (its tiles) // this splits
     DOT_PRECISION: tl.constexpr,
     KV_SCALED: tl.constexpr,  # the cache holds K / k_scale and V / v_scale (fp8)
     F16_DOTS: tl.constexpr = False,  # fp8 cache, bf16 queries: the dots in fp16 (docstring)
