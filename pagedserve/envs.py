@@ -165,6 +165,18 @@ def w4_cuda() -> bool:
     return _switch(W4_CUDA)
 
 
+PDL = "PAGEDSERVE_PDL"
+
+
+def pdl() -> bool:
+    """PAGEDSERVE_PDL: "1" (default) launches the W4A16 CUDA kernels with programmatic dependent
+    launch on GPUs of compute capability 9.0+ (each starts streaming its weights while the
+    kernel before it finishes; the small Triton kernels before them let it start early), "0"
+    launches them one after another, to compare. Read at each launch. Raises ValueError for
+    another value."""
+    return _switch(PDL)
+
+
 def _switch(name: str) -> bool:
     """An on/off variable, on by default: "1" or unset/empty on, "0" off, else ValueError."""
     raw = os.environ.get(name) or "1"  # empty: unset

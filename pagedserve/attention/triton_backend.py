@@ -18,6 +18,7 @@ from pagedserve.attention.kernels.paged_attention import (
 from pagedserve.attention.kernels.store_kv import store_kv_kernel
 from pagedserve.attention.kv_quant import fp8_max, is_fp8
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.layers.kernels.gdc import pdl_trigger
 
 _LOG2E = 1.4426950408889634
 _DEFAULT_NUM_SMS = 132  # H200; used off CUDA (Triton's CPU interpreter)
@@ -241,6 +242,8 @@ def paged_attention(
         SOFT_CAP=logits_soft_cap * _LOG2E if logits_soft_cap else 0.0,
     )  # fmt: skip
     if plan.decode is not None:
+        # the decode launch or its combine is the o projection's predecessor (gdc.py)
+        pdl = pdl_trigger(out.device)
         tile = plan.decode
         block_q = tile.block_m // group
         num_splits = plan.num_splits
@@ -256,7 +259,7 @@ def paged_attention(
             partial_sum_ptr=partial_sum, query_len_lo=1, query_len_hi=plan.decode_max_query_len,
             BLOCK_M=tile.block_m, BLOCK_Q=block_q, TILE_N=tile.tile_n,
             ONE_Q_BLOCK=True, SPLIT_KV=num_splits > 1, SPLIT_MIN_TILES=plan.split_min_tiles,
-            num_warps=tile.num_warps, num_stages=tile.num_stages, **common,
+            PDL_TRIGGER=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, **common,
         )  # fmt: skip
         if num_splits > 1:
             combine_splits_kernel[(md.num_reqs, num_kv_heads, block_q * group)](
@@ -265,7 +268,7 @@ def paged_attention(
                 NUM_QUERIES_PER_KV=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
                 BLOCK_M=tile.block_m, BLOCK_Q=block_q, TILE_N=tile.tile_n,
                 SLIDING_WINDOW=sliding_window or 0, SPLIT_MIN_TILES=plan.split_min_tiles,
-                MAX_SPLITS=_MAX_SPLITS, num_warps=4 if head_dim_pad <= 128 else 8,
+                MAX_SPLITS=_MAX_SPLITS, PDL_TRIGGER=pdl, num_warps=4 if head_dim_pad <= 128 else 8,
             )  # fmt: skip
     if plan.prefill is not None:
         tile = plan.prefill

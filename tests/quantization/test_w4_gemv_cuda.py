@@ -206,8 +206,8 @@ repacked = torch.zeros(1, 1, 32, 4, device="cuda", dtype=torch.int32)  # N 16, K
 scales = torch.ones(1, 16, device="cuda", dtype=torch.bfloat16)
 out = torch.empty(4, 16, device="cuda", dtype=torch.bfloat16)
 args = (x, repacked, scales, None, None, out, 64, 8)  # group 64, zero point 8
-gemv = lambda warps, unroll: ext.w4_gemv_out(*args, warps, unroll, 1)
-gemm = lambda split, mt: ext.w4_gemm_out(*args, 2, split, mt, 1, 1)
+gemv = lambda warps, unroll: ext.w4_gemv_out(*args, warps, unroll, 1, False)  # no PDL
+gemm = lambda split, mt: ext.w4_gemm_out(*args, 2, split, mt, 1, 1, False)
 for name, call in (
     ("gemv unbuilt", lambda: gemv(4, 8)),
     ("gemm unbuilt", lambda: gemm(1, 3)),
@@ -409,6 +409,54 @@ def test_repacked_layer_every_m(
     for m in (100, 300):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         assert_matches(layer(x), x, w, None, rounded=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_programmatic_launch_waits_for_its_input(dtype: torch.dtype) -> None:
+    """With programmatic dependent launch the GEMV / GEMM start before the kernel that writes
+    their x has finished (the RMSNorm and SiLU-and-mul kernels let them, fused_ops); they must
+    still read its output: a decoder-layer-like chain (norm -> W4 linear -> SiLU-and-mul -> W4
+    linear) gives bit for bit what launches one after another give, eagerly and replayed from a
+    CUDA graph with new inputs each time, for M = 1, 8 (GEMV) and 40 (GEMM)."""
+    if not w4_gemv_cuda.available():
+        pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
+    if not w4_gemv_cuda.use_pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    from pagedserve.layers.kernels.fused_ops import rms_norm, silu_and_mul
+
+    torch.manual_seed(7)
+    hidden, inter = 2048, 5632
+    up = random_weights(hidden, 2 * inter, 128, True, dtype, "cuda")
+    down = random_weights(inter, hidden, 128, True, dtype, "cuda")
+    up_r, down_r = w4_gemv_cuda.repack(up), w4_gemv_cuda.repack(down)
+    norm_weight = torch.rand(hidden, device="cuda", dtype=dtype) + 0.5
+
+    def chain(src: torch.Tensor, residual: torch.Tensor, pdl: bool) -> torch.Tensor:
+        m = src.size(0)
+        x, _ = rms_norm(src, norm_weight, 1e-6, residual)
+        if m <= w4_gemv_cuda.MAX_M:
+            h = w4_gemv_cuda.w4_gemv(x, up, up_r, pdl=pdl)
+            return w4_gemv_cuda.w4_gemv(silu_and_mul(h), down, down_r, pdl=pdl)
+        h = w4_gemv_cuda.w4_gemm(x, up, up_r, up.scales, pdl=pdl)
+        return w4_gemv_cuda.w4_gemm(silu_and_mul(h), down, down_r, down.scales, pdl=pdl)
+
+    for m in (1, 8, 40):
+        src = torch.randn(m, hidden, device="cuda", dtype=dtype)
+        residual = torch.randn(m, hidden, device="cuda", dtype=dtype)
+        expected = chain(src, residual, pdl=False)
+        for _ in range(20):
+            assert torch.equal(chain(src, residual, pdl=True), expected)
+        graph = torch.cuda.CUDAGraph()
+        chain(src, residual, pdl=True)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = chain(src, residual, pdl=True)
+        for _ in range(20):
+            src.copy_(torch.randn_like(src))
+            residual.copy_(torch.randn_like(residual))
+            graph.replay()
+            assert torch.equal(out, chain(src, residual, pdl=False))
 
 
 @pytest.mark.gpu

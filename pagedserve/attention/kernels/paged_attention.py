@@ -46,6 +46,8 @@ inside the kernel so that a captured CUDA graph reads their current values.
 import triton
 import triton.language as tl
 
+from pagedserve.layers.kernels.gdc import launch_dependents
+
 
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, q_block_id, BLOCK_Q: tl.constexpr):
@@ -238,6 +240,7 @@ def paged_attention_kernel(
     F16_DOTS: tl.constexpr = False,  # fp8 cache, bf16 queries: the dots in fp16 (docstring)
     SLIDING_WINDOW: tl.constexpr = 0,  # 0: none; else a token at p sees keys > p - W only
     SOFT_CAP: tl.constexpr = 0.0,  # 0.0: none; else the logit soft cap times log2(e)
+    PDL_TRIGGER: tl.constexpr = False,  # let the next kernel launch early (layers/kernels/gdc)
 ):
     """Grid (q blocks, num_kv_heads, num_splits). With ONE_Q_BLOCK, axis 0 is the request;
     else it is a global q block index (num_tokens // BLOCK_Q + num_reqs of them, taken in
@@ -246,6 +249,8 @@ def paged_attention_kernel(
     [query_len_lo, query_len_hi] (another launch's, or query_len 0 padding), q blocks past
     a request's end, and splits past the ones a request uses (`_split_tiles`) exit at once.
     """
+    if PDL_TRIGGER:
+        launch_dependents()
     if ONE_Q_BLOCK:
         req = tl.program_id(0)
         q_block = 0
@@ -366,6 +371,7 @@ def combine_splits_kernel(
     SLIDING_WINDOW: tl.constexpr,
     SPLIT_MIN_TILES: tl.constexpr,
     MAX_SPLITS: tl.constexpr,  # a power of two >= num_splits (one compiled variant for all)
+    PDL_TRIGGER: tl.constexpr = False,  # let the next kernel launch early (layers/kernels/gdc)
 ):
     """Grid (num_reqs, num_kv_heads, BLOCK_Q * NUM_QUERIES_PER_KV): merge the split-KV partial
     results of one row (token, query head) of a request's single q block (the split path
@@ -373,6 +379,8 @@ def combine_splits_kernel(
     `_split_tiles`, recomputed here) each hold (m_s, l_s, acc_s) over their key range; with
     M = max_s m_s the exact result is sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s.
     All splits are loaded at once (one memory round trip, not one per split)."""
+    if PDL_TRIGGER:
+        launch_dependents()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     row = tl.program_id(2)

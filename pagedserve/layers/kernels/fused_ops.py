@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.layers.kernels.gdc import launch_dependents, pdl_trigger
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -18,7 +20,10 @@ def _rms_norm_kernel(
     stride_x, stride_residual, stride_out,
     hidden_size, eps,
     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
+    if PDL_TRIGGER:  # the next linear may start streaming its weights (gdc.py)
+        launch_dependents()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -58,13 +63,18 @@ def rms_norm(
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         hidden_size, eps,
         HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
-        num_warps=min(max(block // 256, 1), 16),
+        PDL_TRIGGER=pdl_trigger(x.device), num_warps=min(max(block // 256, 1), 16),
     )  # fmt: skip
     return out, residual_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr = False,
+):  # fmt: skip
+    if PDL_TRIGGER:  # the down projection may start streaming its weights (gdc.py)
+        launch_dependents()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -84,8 +94,9 @@ def silu_and_mul(
         return out
     block = 1024
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(size, block))](
-        x, out, x.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
-    )
+        x, out, x.stride(0), out.stride(0), size, BLOCK=block,
+        PDL_TRIGGER=pdl_trigger(x.device), num_warps=4,
+    )  # fmt: skip
     return out
 
 

@@ -21,6 +21,23 @@ constexpr int kChunkK = 64;     // K rows of one lane's uint4 (two k32 steps)
 constexpr int kMaxM = 8;        // the MMA's N: rows of x
 constexpr int kMaxK = 1 << 21;  // group_of is exact below this (w4_gemv_cuda.MAX_K)
 
+// Programmatic dependent launch (sm_90+; PTX griddepcontrol). A kernel launched with the
+// programmatic-serialization attribute may start while the kernel before it in the stream still
+// runs: it must call gdc_wait() before reading anything that kernel writes (x) and before
+// writing anything (out), and may read only what no kernel writes (weights, scales, zeros,
+// bias) before it. gdc_launch_dependents() lets the next such kernel start early. Both are
+// no-ops in a kernel launched without the attribute, and below sm_90 they compile to nothing.
+__device__ __forceinline__ void gdc_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gdc_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;  // (a & b) | c in one instruction
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -225,13 +242,15 @@ __global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
       const int c = c_base + u * num_warps;
       const bool valid = c < num_chunks;  // warp-uniform
       const int cc = min(c, last_chunk);
-      // x is small and read by every block: an L1 / L2 hit.
+      // x is small and read by every block: an L1 / L2 hit. A coherent load, not __ldg: with
+      // programmatic launch the previous kernel writes x while this kernel runs (before
+      // gdc_wait), which the non-coherent path's "read-only for the kernel's life" forbids.
       uint4 xv[2];
 #pragma unroll
       for (int st = 0; st < 2; ++st) {
         const int k0 = cc * kChunkK + st * 32 + 8 * t;
         const uint4* xp = reinterpret_cast<const uint4*>(xrow + cc * kChunkK + st * 32);
-        xv[st] = (has_row && k0 < k) ? __ldg(xp) : make_uint4(0, 0, 0, 0);
+        xv[st] = (has_row && k0 < k) ? *xp : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -266,7 +285,8 @@ __global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
   };
 
   Batch b0, b1;
-  load_batch(b0, warp);
+  load_batch(b0, warp);  // weights and scales only: written by no kernel
+  gdc_wait();            // x (read by compute_batch) is the previous kernel's output
   for (int c_base = warp; c_base < num_chunks; c_base += 2 * stride) {
     if (c_base + stride < num_chunks) load_batch(b1, c_base + stride);  // warp-uniform
     compute_batch(b0, c_base);
@@ -274,6 +294,8 @@ __global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
     if (c_base + 2 * stride < num_chunks) load_batch(b0, c_base + 2 * stride);
     compute_batch(b1, c_base + stride);
   }
+
+  gdc_launch_dependents();  // the next kernel may prefetch its weights while this one ends
 
   // The warps' sums -> shared memory [warp][row of x][column], then one thread per output.
   float* mine = partial + warp * kMaxM * kCols;
@@ -303,17 +325,36 @@ __global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/extension.h>
 
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic dependent launch when `pdl`
+// (the kernel then starts before the previous kernel in the stream has finished and waits in
+// gdc_wait: see there). CUDA 12+; stream capture records the programmatic edge in the graph.
+template <typename... Params, typename... Args>
+static void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t stream, bool pdl, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
+}
+
 template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL, int NT>
 static void launch(const torch::Tensor& x, const torch::Tensor& qweight,
                    const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                    const std::optional<torch::Tensor>& bias, torch::Tensor& out, int group_size,
-                   int zero_value, int num_warps) {
+                   int zero_value, int num_warps, bool pdl) {
   const int m = x.size(0), k = x.size(1), n = out.size(1);
   const int num_tiles = (n + w4::kTileN - 1) / w4::kTileN;
   const size_t smem = sizeof(float) * num_warps * w4::kMaxM * w4::kTileN * NT;
   auto stream = at::cuda::getCurrentCUDAStream();
-  w4::w4_gemv_kernel<T, HAS_ZEROS, STEP_SCALE, UNROLL, NT>
-      <<<(num_tiles + NT - 1) / NT, num_warps * 32, smem, stream>>>(
+  launch_kernel(w4::w4_gemv_kernel<T, HAS_ZEROS, STEP_SCALE, UNROLL, NT>,
+                dim3((num_tiles + NT - 1) / NT), dim3(num_warps * 32), smem, stream, pdl,
           reinterpret_cast<const T*>(x.data_ptr()),
           reinterpret_cast<const uint4*>(qweight.data_ptr()),
           reinterpret_cast<const uint16_t*>(scales.data_ptr()),
@@ -321,7 +362,6 @@ static void launch(const torch::Tensor& x, const torch::Tensor& qweight,
           bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
           reinterpret_cast<T*>(out.data_ptr()), m, n, k, scales.size(0), 1.0f / group_size,
           zero_value, scales.scalar_type() == at::kBFloat16);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Launches the built instantiation for (unroll, nt); false if there is none (w4_gemv_out
@@ -330,13 +370,13 @@ template <typename T>
 static bool dispatch(const torch::Tensor& x, const torch::Tensor& qweight,
                      const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                      const std::optional<torch::Tensor>& bias, torch::Tensor& out, int group_size,
-                     int zero_value, int num_warps, int unroll, int nt) {
+                     int zero_value, int num_warps, int unroll, int nt, bool pdl) {
   const bool step = group_size % 64 != 0 && scales.size(0) > 1;
   const bool z = zeros.has_value();
 #define W4_CASE(Z, S, U, NT)                                                                  \
   if (z == Z && step == S && unroll == U && nt == NT) {                                       \
     launch<T, Z, S, U, NT>(x, qweight, scales, zeros, bias, out, group_size, zero_value,      \
-                           num_warps);                                                        \
+                           num_warps, pdl);                                                   \
     return true;                                                                              \
   }
 #define W4_CASES(U, NT) \
@@ -356,13 +396,13 @@ static bool dispatch(const torch::Tensor& x, const torch::Tensor& qweight,
 bool w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t unroll, int64_t nt) {
+                 int64_t unroll, int64_t nt, bool pdl) {
   TORCH_CHECK(x.size(0) <= w4::kMaxM && num_warps >= 1 && num_warps <= 16, "w4_gemv: bad M/warps");
   TORCH_CHECK(x.size(1) < w4::kMaxK, "w4_gemv: K must be below 2^21 (group_of), got ", x.size(1));
   return x.scalar_type() == at::kHalf
              ? dispatch<__half>(x, qweight, scales, zeros, bias, out, group_size, zero_value,
-                                num_warps, unroll, nt)
+                                num_warps, unroll, nt, pdl)
              : dispatch<__nv_bfloat16>(x, qweight, scales, zeros, bias, out, group_size,
-                                       zero_value, num_warps, unroll, nt);
+                                       zero_value, num_warps, unroll, nt, pdl);
 }
 #endif  // W4_NO_TORCH

@@ -27,6 +27,14 @@ Work split: one block per NT x 16 output columns (NT = 1 or 2), its warps taking
 turn (warp w: chunks w, w + W, ...) in batches of UNROLL chunks, the next batch's loads in
 flight while a batch is computed, the warps' sums added in shared memory. No split-K across
 blocks, no workspace, no host syncs: safe in CUDA graphs.
+
+Programmatic dependent launch (compute capability 9.0+, `use_pdl`): the GEMV is launched with
+CUDA's programmatic stream serialization, so that it may start while the kernel before it
+finishes. It issues its first weight loads (weights, scales and zeros: written by no kernel),
+then waits (PTX griddepcontrol.wait) before it reads x or writes anything; the small Triton
+kernels that precede it in a decoder layer (RMSNorm, the attention combine) signal at their
+start that it may launch (gdc.py). The GEMM takes the same path only when asked: on the H200 it
+made batch-64 decode slower (BENCHMARKS.md, issue 15, session 9).
 """
 
 import functools
@@ -40,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve import envs
 from pagedserve.layers.kernels import num_sms
 from pagedserve.layers.quantization.packed import PackedWeights, unpack_int32
 
@@ -58,11 +67,11 @@ _DECLARATION = """
 bool w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t unroll, int64_t nt);
+                 int64_t unroll, int64_t nt, bool pdl);
 bool w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t split, int64_t mt, int64_t nt, int64_t kw);
+                 int64_t split, int64_t mt, int64_t nt, int64_t kw, bool pdl);
 void w4_dequant_out(torch::Tensor qweight, torch::Tensor scales,
                     std::optional<torch::Tensor> zeros, torch::Tensor out, int64_t group_size,
                     int64_t zero_value);
@@ -130,6 +139,18 @@ def built() -> bool:
         logger.warning("the W4A16 CUDA kernels did not build, using Triton's instead: %s", e)
         return False
     return True
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether the kernels launch with programmatic dependent launch on `device`: compute
+    capability 9.0+ (PTX griddepcontrol) and PAGEDSERVE_PDL not "0" (`envs.pdl`)."""
+    return envs.pdl() and _pdl_capable(device.index if device.index is not None else -1)
+
+
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    index = torch.cuda.current_device() if device_index < 0 else device_index
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def supports_weight(w: PackedWeights) -> bool:
@@ -211,6 +232,7 @@ def w4_gemv(
     repacked: torch.Tensor,  # repack(w)
     bias: torch.Tensor | None = None,  # [N]
     config: tuple[int, int, int] | None = None,  # (num_warps, unroll, nt): pick_gemv_config
+    pdl: bool | None = None,  # programmatic dependent launch; None: use_pdl
 ) -> torch.Tensor:  # [..., N], x's dtype
     """x @ W^T (+ bias) for decode; the caller checks `supports(w, x)` first. ValueError for
     a config whose (unroll, nt) is not in GEMV_CONFIGS or whose num_warps is not 1..16."""
@@ -231,7 +253,7 @@ def w4_gemv(
         bias = bias.to(x.dtype)
     launched = load().w4_gemv_out(  # type: ignore[attr-defined]
         x2, repacked, w.scales, w.zeros, bias, out, w.group_size, w.zero_value, num_warps,
-        unroll, nt,
+        unroll, nt, use_pdl(x2.device) if pdl is None else pdl,
     )  # fmt: skip
     if not launched:  # GEMV_CONFIGS and w4_gemv.cu's dispatch disagree
         raise RuntimeError(f"w4_gemv: {(unroll, nt)} is not a built configuration of the extension")
@@ -290,6 +312,9 @@ def w4_gemm(
     scales: torch.Tensor,  # [G, N] w.scales in x's dtype
     bias: torch.Tensor | None = None,  # [N]
     config: tuple[int, int, int, int, int] | None = None,  # (num_warps, split, mt, nt, kw)
+    # Programmatic dependent launch: off unless asked for. On the H200 it made batch-64 decode
+    # slower (Llama-8B forward 7.79 ms against 7.54; BENCHMARKS.md, issue 15, session 9).
+    pdl: bool = False,
 ) -> torch.Tensor:  # [M, N], x's dtype
     """x @ W^T (+ bias) on tensor cores for more than MAX_M rows (w4_gemm.cu): each weight is
     (q - z) * scale rounded to x's dtype, the products summed in fp32. For a weight that
@@ -313,7 +338,7 @@ def w4_gemm(
         bias = bias.to(x.dtype)
     launched = load().w4_gemm_out(  # type: ignore[attr-defined]
         x, repacked, scales, w.zeros, bias, out, w.group_size, w.zero_value, warps, split, mt,
-        nt, kw,
+        nt, kw, bool(pdl),
     )  # fmt: skip
     if not launched:  # GEMM_CONFIGS and w4_gemm.cu's dispatch disagree
         raise RuntimeError(
