@@ -169,11 +169,12 @@ PDL = "PAGEDSERVE_PDL"
 
 
 def pdl() -> bool:
-    """PAGEDSERVE_PDL: "1" (default) launches the W4A16 CUDA kernels with programmatic dependent
-    launch on GPUs of compute capability 9.0+ (each starts streaming its weights while the
-    kernel before it finishes; the small Triton kernels before them let it start early), "0"
-    launches them one after another, to compare. Read at each launch. Raises ValueError for
-    another value."""
+    """PAGEDSERVE_PDL: "1" (default) launches the W4A16 CUDA GEMV (4-bit decode) with
+    programmatic dependent launch on GPUs of compute capability 9.0+ (it starts streaming its
+    weights while the kernel before it finishes; the small Triton kernels before it let it start
+    early: pagedserve/gdc.py), "0" launches it after the previous kernel has finished, to
+    compare. Read at each launch, so a CUDA graph keeps what was set when it was captured.
+    Raises ValueError for another value."""
     return _switch(PDL)
 
 

@@ -18,7 +18,7 @@ from pagedserve.attention.kernels.paged_attention import (
 from pagedserve.attention.kernels.store_kv import store_kv_kernel
 from pagedserve.attention.kv_quant import fp8_max, is_fp8
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.layers.kernels.gdc import pdl_trigger
+from pagedserve.gdc import pdl_trigger
 
 _LOG2E = 1.4426950408889634
 _DEFAULT_NUM_SMS = 132  # H200; used off CUDA (Triton's CPU interpreter)

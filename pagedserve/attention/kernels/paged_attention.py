@@ -46,7 +46,7 @@ inside the kernel so that a captured CUDA graph reads their current values.
 import triton
 import triton.language as tl
 
-from pagedserve.layers.kernels.gdc import launch_dependents
+from pagedserve.gdc import launch_dependents
 
 
 @triton.jit
@@ -240,7 +240,7 @@ def paged_attention_kernel(
     F16_DOTS: tl.constexpr = False,  # fp8 cache, bf16 queries: the dots in fp16 (docstring)
     SLIDING_WINDOW: tl.constexpr = 0,  # 0: none; else a token at p sees keys > p - W only
     SOFT_CAP: tl.constexpr = 0.0,  # 0.0: none; else the logit soft cap times log2(e)
-    PDL_TRIGGER: tl.constexpr = False,  # let the next kernel launch early (layers/kernels/gdc)
+    PDL_TRIGGER: tl.constexpr = False,  # let the next kernel launch early (pagedserve/gdc.py)
 ):
     """Grid (q blocks, num_kv_heads, num_splits). With ONE_Q_BLOCK, axis 0 is the request;
     else it is a global q block index (num_tokens // BLOCK_Q + num_reqs of them, taken in
@@ -371,7 +371,7 @@ def combine_splits_kernel(
     SLIDING_WINDOW: tl.constexpr,
     SPLIT_MIN_TILES: tl.constexpr,
     MAX_SPLITS: tl.constexpr,  # a power of two >= num_splits (one compiled variant for all)
-    PDL_TRIGGER: tl.constexpr = False,  # let the next kernel launch early (layers/kernels/gdc)
+    PDL_TRIGGER: tl.constexpr = False,  # let the next kernel launch early (pagedserve/gdc.py)
 ):
     """Grid (num_reqs, num_kv_heads, BLOCK_Q * NUM_QUERIES_PER_KV): merge the split-KV partial
     results of one row (token, query head) of a request's single q block (the split path

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.layers.kernels.gdc import launch_dependents, pdl_trigger
+from pagedserve.gdc import launch_dependents, pdl_trigger
 
 
 @triton.jit

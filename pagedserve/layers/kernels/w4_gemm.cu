@@ -153,16 +153,13 @@ __global__ void __launch_bounds__(WARPS * KW * 32, 16 / (WARPS * KW)) w4_gemm_ke
   const bool p_ok = p_col < n;
 
   uint4* ring = smem + kg * kStages * stage_size;
-  auto load_weights = [&](int c, int slot) {
+  auto load_chunk = [&](int c, int slot) {
     uint4* st = ring + slot * stage_size;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {  // [warp + j warps][lane] = w_units / threads per thread
       cp_async16(st + (warp + j * warps) * 32 + lane, w_src[j] + static_cast<size_t>(c) * 32,
                  w_ok[j]);
     }
-  };
-  auto load_rest = [&](int c, int slot) {  // x, scales, zeros
-    uint4* st = ring + slot * stage_size;
     char* sx = reinterpret_cast<char*>(st + w_units) + warp * Stage::kXRow * 16;
     const bool k_ok = c * kChunkK + 2 * lane < k;
     const int k_off = k_ok ? c * kChunkK : 0;
@@ -179,10 +176,6 @@ __global__ void __launch_bounds__(WARPS * KW * 32, 16 / (WARPS * KW)) w4_gemm_ke
       cp_async16(st + w_units + Stage::kX + tid, src, p_ok);
     }
   };
-  auto load_chunk = [&](int c, int slot) {
-    load_weights(c, slot);
-    load_rest(c, slot);
-  };
 
   float acc[MT][NT][2][4];
 #pragma unroll
@@ -198,18 +191,10 @@ __global__ void __launch_bounds__(WARPS * KW * 32, 16 / (WARPS * KW)) w4_gemm_ke
   const int lm = lane / 8, lr = lane % 8;
   const uint32_t x_lane = ((lr + 8 * (lm & 1)) * Stage::kXRow + (lm / 2)) * 16;
 
-  // The first stages' weights before gdc_wait (no kernel writes them: see there), x after it.
-  // Commit group 0 then holds all of those weights: the first wait covers them all.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     const int c = c_begin + s * KW + kg;
-    if (c < c_end) load_weights(c, s);
-  }
-  gdc_wait();
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    const int c = c_begin + s * KW + kg;
-    if (c < c_end) load_rest(c, s);
+    if (c < c_end) load_chunk(c, s);
     cp_async_commit();
   }
   for (int it = 0; it < num_iters; ++it) {
@@ -261,7 +246,6 @@ __global__ void __launch_bounds__(WARPS * KW * 32, 16 / (WARPS * KW)) w4_gemm_ke
     }
   }
   cp_async_wait<0>();
-  gdc_launch_dependents();
   if (KW > 1) {  // groups 1.. hand their sums to group 0 through the (now idle) ring memory
     constexpr int kAcc = MT * NT * 2 * 4;
     float* red = reinterpret_cast<float*>(smem);  // [kAcc][KW - 1][WARPS * 32]
@@ -370,7 +354,7 @@ template <typename T, bool HAS_ZEROS, int WARPS, int MT, int NT, int KW>
 static void launch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
                         const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                         const std::optional<torch::Tensor>& bias, torch::Tensor& out,
-                        int group_size, int zero_value, int split, bool pdl) {
+                        int group_size, int zero_value, int split) {
   const int m = x.size(0), k = x.size(1), n = out.size(1);
   const int num_tiles = (n + w4::kTileN - 1) / w4::kTileN;
   const int num_chunks = (k + w4::kChunkK - 1) / w4::kChunkK;
@@ -401,15 +385,17 @@ static void launch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
     if (device < 64) attributes_set |= uint64_t{1} << device;
   }
   if (split == 1) {
-    launch_kernel(kernel, grid, dim3(WARPS * KW * 32), smem, stream, pdl, xp, wp, sp, zp, bp, op,
-                  nullptr, m, n, k, scales.size(0), 1.0f / group_size, zero_value,
-                  chunks_per_split);
+    kernel<<<grid, WARPS * KW * 32, smem, stream>>>(
+        xp, wp, sp, zp, bp, op, nullptr, m, n, k, scales.size(0), 1.0f / group_size, zero_value,
+        chunks_per_split);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   auto partial = torch::empty({split, m, n}, x.options().dtype(torch::kFloat32));
-  launch_kernel(kernel, grid, dim3(WARPS * KW * 32), smem, stream, pdl, xp, wp, sp, zp, nullptr,
-                nullptr, partial.data_ptr<float>(), m, n, k, scales.size(0), 1.0f / group_size,
-                zero_value, chunks_per_split);
+  kernel<<<grid, WARPS * KW * 32, smem, stream>>>(
+      xp, wp, sp, zp, nullptr, nullptr, partial.data_ptr<float>(), m, n, k, scales.size(0),
+      1.0f / group_size, zero_value, chunks_per_split);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int mn = m * n;
   w4::w4_sum_partials<T><<<(mn + 255) / 256, 256, 0, stream>>>(partial.data_ptr<float>(), bp, op,
                                                                mn, n, split);
@@ -423,11 +409,11 @@ static bool dispatch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
                           const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                           const std::optional<torch::Tensor>& bias, torch::Tensor& out,
                           int group_size, int zero_value, int num_warps, int split, int mt,
-                          int nt, int kw, bool pdl) {
+                          int nt, int kw) {
 #define W4_GEMM_CASE(WARPS, MT, NT, KW)                                                       \
   if (num_warps == WARPS && mt == MT && nt == NT && kw == KW) {                               \
     launch_gemm<T, HAS_ZEROS, WARPS, MT, NT, KW>(x, qweight, scales, zeros, bias, out,          \
-                                                 group_size, zero_value, split, pdl);           \
+                                                 group_size, zero_value, split);                \
     return true;                                                                              \
   }
   // w4_gemv_cuda.GEMM_CONFIGS: keep the two lists equal
@@ -444,7 +430,7 @@ static bool dispatch_gemm(const torch::Tensor& x, const torch::Tensor& qweight,
 bool w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t split, int64_t mt, int64_t nt, int64_t kw, bool pdl) {
+                 int64_t split, int64_t mt, int64_t nt, int64_t kw) {
   TORCH_CHECK(split >= 1, "w4_gemm: bad split");
   TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "w4_gemm: scales must be in x's dtype");
   TORCH_CHECK(out.size(1) % 8 == 0 && x.size(1) % 8 == 0, "w4_gemm: N and K must be multiples of 8");
@@ -458,14 +444,14 @@ bool w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
   // false: not built, nothing launched (the caller raises: see w4_gemv_out)
   if (x.scalar_type() == at::kHalf) {
     return z ? dispatch_gemm<__half, true>(x, qweight, scales, zeros, bias, out, group_size,
-                                           zero_value, num_warps, split, mt, nt, kw, pdl)
+                                           zero_value, num_warps, split, mt, nt, kw)
              : dispatch_gemm<__half, false>(x, qweight, scales, zeros, bias, out, group_size,
-                                            zero_value, num_warps, split, mt, nt, kw, pdl);
+                                            zero_value, num_warps, split, mt, nt, kw);
   }
   return z ? dispatch_gemm<__nv_bfloat16, true>(x, qweight, scales, zeros, bias, out, group_size,
-                                                zero_value, num_warps, split, mt, nt, kw, pdl)
+                                                zero_value, num_warps, split, mt, nt, kw)
            : dispatch_gemm<__nv_bfloat16, false>(x, qweight, scales, zeros, bias, out, group_size,
-                                                 zero_value, num_warps, split, mt, nt, kw, pdl);
+                                                 zero_value, num_warps, split, mt, nt, kw);
 }
 
 // W [N, K] (out) in scales' dtype from the repacked weight.

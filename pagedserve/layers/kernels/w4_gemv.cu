@@ -23,9 +23,9 @@ constexpr int kMaxK = 1 << 21;  // group_of is exact below this (w4_gemv_cuda.MA
 
 // Programmatic dependent launch (sm_90+; PTX griddepcontrol). A kernel launched with the
 // programmatic-serialization attribute may start while the kernel before it in the stream still
-// runs: it must call gdc_wait() before reading anything that kernel writes (x) and before
-// writing anything (out), and may read only what no kernel writes (weights, scales, zeros,
-// bias) before it. gdc_launch_dependents() lets the next such kernel start early. Both are
+// runs: it must call gdc_wait() before reading anything a kernel may write (x, and the bias,
+// which the caller may have just cast) and before writing anything (out), and may read only
+// what no kernel writes (the weights, scales and zeros) before it. gdc_launch_dependents() lets the next such kernel start early. Both are
 // no-ops in a kernel launched without the attribute, and below sm_90 they compile to nothing.
 __device__ __forceinline__ void gdc_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -242,15 +242,17 @@ __global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
       const int c = c_base + u * num_warps;
       const bool valid = c < num_chunks;  // warp-uniform
       const int cc = min(c, last_chunk);
-      // x is small and read by every block: an L1 / L2 hit. A coherent load, not __ldg: with
-      // programmatic launch the previous kernel writes x while this kernel runs (before
-      // gdc_wait), which the non-coherent path's "read-only for the kernel's life" forbids.
+      // x is small and read by every block: an L1 / L2 hit. A coherent load (ld.global.ca),
+      // not the non-coherent path: with programmatic launch the previous kernel writes x while
+      // this kernel runs (before gdc_wait), which ld.global.nc's "read-only for the kernel's
+      // life" forbids. Explicit: a plain *xp through `const T* __restrict__` compiles to
+      // ld.global.nc, an invariant load the compiler may even move above gdc_wait.
       uint4 xv[2];
 #pragma unroll
       for (int st = 0; st < 2; ++st) {
         const int k0 = cc * kChunkK + st * 32 + 8 * t;
         const uint4* xp = reinterpret_cast<const uint4*>(xrow + cc * kChunkK + st * 32);
-        xv[st] = (has_row && k0 < k) ? *xp : make_uint4(0, 0, 0, 0);
+        xv[st] = (has_row && k0 < k) ? __ldca(xp) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -313,7 +315,7 @@ __global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
     if (row < m && col < n) {
       float sum = 0.f;
       for (int w = 0; w < num_warps; ++w) sum += partial[w * kMaxM * kCols + i];
-      if (bias != nullptr) sum += to_float(bias[col]);
+      if (bias != nullptr) sum += to_float(__ldca(bias + col));  // after gdc_wait, coherent
       out[static_cast<size_t>(row) * n + col] = from_float<T>(sum);
     }
   }

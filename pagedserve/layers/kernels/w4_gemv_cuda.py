@@ -32,9 +32,10 @@ Programmatic dependent launch (compute capability 9.0+, `use_pdl`): the GEMV is 
 CUDA's programmatic stream serialization, so that it may start while the kernel before it
 finishes. It issues its first weight loads (weights, scales and zeros: written by no kernel),
 then waits (PTX griddepcontrol.wait) before it reads x or writes anything; the small Triton
-kernels that precede it in a decoder layer (RMSNorm, the attention combine) signal at their
-start that it may launch (gdc.py). The GEMM takes the same path only when asked: on the H200 it
-made batch-64 decode slower (BENCHMARKS.md, issue 15, session 9).
+kernels that precede it in a decoder layer (RMSNorm, SiLU-and-mul, the decode attention and its
+combine) signal at their start that it may launch (pagedserve/gdc.py). The GEMM launches
+without it: on the H200, PDL made batch-64 decode 3% slower (BENCHMARKS.md, issue 15,
+session 9).
 """
 
 import functools
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve import envs
+from pagedserve import envs, gdc
 from pagedserve.layers.kernels import num_sms
 from pagedserve.layers.quantization.packed import PackedWeights, unpack_int32
 
@@ -71,7 +72,7 @@ bool w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
 bool w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t split, int64_t mt, int64_t nt, int64_t kw, bool pdl);
+                 int64_t split, int64_t mt, int64_t nt, int64_t kw);
 void w4_dequant_out(torch::Tensor qweight, torch::Tensor scales,
                     std::optional<torch::Tensor> zeros, torch::Tensor out, int64_t group_size,
                     int64_t zero_value);
@@ -142,15 +143,12 @@ def built() -> bool:
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Whether the kernels launch with programmatic dependent launch on `device`: compute
-    capability 9.0+ (PTX griddepcontrol) and PAGEDSERVE_PDL not "0" (`envs.pdl`)."""
-    return envs.pdl() and _pdl_capable(device.index if device.index is not None else -1)
-
-
-@functools.cache
-def _pdl_capable(device_index: int) -> bool:
-    index = torch.cuda.current_device() if device_index < 0 else device_index
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    """Whether `w4_gemv` launches with programmatic dependent launch on `device`: a CUDA
+    device of compute capability 9.0+ (PTX griddepcontrol) and PAGEDSERVE_PDL not "0"
+    (`envs.pdl`)."""
+    if device.type != "cuda" or not envs.pdl():
+        return False
+    return gdc.capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def supports_weight(w: PackedWeights) -> bool:
@@ -312,9 +310,6 @@ def w4_gemm(
     scales: torch.Tensor,  # [G, N] w.scales in x's dtype
     bias: torch.Tensor | None = None,  # [N]
     config: tuple[int, int, int, int, int] | None = None,  # (num_warps, split, mt, nt, kw)
-    # Programmatic dependent launch: off unless asked for. On the H200 it made batch-64 decode
-    # slower (Llama-8B forward 7.79 ms against 7.54; BENCHMARKS.md, issue 15, session 9).
-    pdl: bool = False,
 ) -> torch.Tensor:  # [M, N], x's dtype
     """x @ W^T (+ bias) on tensor cores for more than MAX_M rows (w4_gemm.cu): each weight is
     (q - z) * scale rounded to x's dtype, the products summed in fp32. For a weight that
@@ -338,7 +333,7 @@ def w4_gemm(
         bias = bias.to(x.dtype)
     launched = load().w4_gemm_out(  # type: ignore[attr-defined]
         x, repacked, scales, w.zeros, bias, out, w.group_size, w.zero_value, warps, split, mt,
-        nt, kw, bool(pdl),
+        nt, kw,
     )  # fmt: skip
     if not launched:  # GEMM_CONFIGS and w4_gemm.cu's dispatch disagree
         raise RuntimeError(

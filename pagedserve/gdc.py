@@ -1,0 +1,64 @@
+"""Grid dependency control: when the GPU kernels use programmatic dependent launch (PDL; CUDA
+compute capability 9.0+, PTX griddepcontrol), and the Triton side of it.
+
+The W4A16 CUDA GEMV (layers/kernels/w4_gemv_cuda.py) is launched with PDL: it may start while
+the kernel before it runs, streams its first weights, and waits (griddepcontrol.wait) for that
+kernel's results before it reads x. A kernel lets its dependents launch before it has
+finished only when all its programs have executed `launch_dependents()`; the small Triton
+kernels that come right before the decode linears (RMSNorm, SiLU-and-mul, the decode
+attention and its combine) do so at their start when their `PDL_TRIGGER` constexpr is set
+(`pdl_trigger`). The signal is a hint: it has no effect on a kernel launched without PDL,
+and none on correctness, since the dependent still waits for this kernel's completion and
+memory before it reads anything this kernel wrote.
+
+A top-level module because both layers/ and attention/ (below it) use it.
+"""
+
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
+import functools
+import os
+
+import torch
+import triton
+
+from pagedserve import envs
+
+try:  # Triton 3.3+
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+
+    _HAVE_GDC = True
+except ImportError:  # pragma: no cover (older Triton: the trigger stays off)
+    _HAVE_GDC = False
+
+
+@triton.jit
+def launch_dependents():
+    """griddepcontrol.launch_dependents (call it under `if PDL_TRIGGER:` only: the
+    instruction does not exist below sm_90, nor in Triton's interpreter)."""
+    _gdc_launch_dependents()
+
+
+def pdl_trigger(device: torch.device) -> bool:
+    """The PDL_TRIGGER constexpr for a kernel on `device`: a CUDA device of compute capability
+    9.0+, Triton with grid dependency control, not Triton's interpreter, PAGEDSERVE_PDL not
+    "0" (`envs.pdl`)."""
+    if device.type != "cuda" or not envs.pdl() or not _HAVE_GDC or _interpreting():
+        return False
+    # "cuda" without an index is the current device now (a cache keyed by None would keep
+    # whichever device was current first)
+    return capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def capable(device_index: int) -> bool:
+    """Whether CUDA device `device_index` has PTX griddepcontrol (compute capability 9.0+)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def _interpreting() -> bool:
+    """Triton's own reading of TRITON_INTERPRET ("1", "true", "on", ... all turn it on)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
