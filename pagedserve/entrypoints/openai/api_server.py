@@ -83,6 +83,18 @@ async def _call_on_death(engine: Engine, on_engine_death: Callable[[], None]) ->
         await asyncio.sleep(_DEATH_POLL_S)
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where uvloop is installed (a dependency on Linux and macOS), else
+    None: asyncio's own. What uvicorn's `loop="auto"` picks (and vLLM serves with); needed
+    here because the server runs `Server.serve()` in a loop of its own making, where uvicorn's
+    setting does not apply. httptools, its HTTP parser, uvicorn picks by itself."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def build_app(
     engine: Engine,
     served_model_names: list[str],
@@ -347,8 +359,11 @@ def run_server(args: argparse.Namespace) -> None:
         age = process_age_seconds()
         since = "" if age is None else f" ({age:.1f} s after the process started)"
         logger.info("serving %s on %s%s", ", ".join(args.served_model_name), url, since)
-        with stop_signals_end_serving(server[0]):
-            asyncio.run(server[0].serve(sockets=[sock]))
+        with (
+            stop_signals_end_serving(server[0]),
+            asyncio.Runner(loop_factory=event_loop_factory()) as runner,
+        ):
+            runner.run(server[0].serve(sockets=[sock]))
         died = engine.errored  # read before shutdown(), which ends the engine on purpose
     finally:
         engine.shutdown()

@@ -206,3 +206,20 @@ def test_a_root_path_is_served_with_or_without_the_prefix() -> None:
         server.should_exit = True
         thread.join(timeout=30)
         engine.shutdown()
+
+
+def test_the_server_loop_is_uvloop_where_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`event_loop_factory`: uvloop's loop where uvloop imports (a dependency off Windows),
+    asyncio's own (None) where it does not; the server's Runner runs coroutines on it."""
+    import sys
+
+    from pagedserve.entrypoints.openai.api_server import event_loop_factory
+
+    uvloop = pytest.importorskip("uvloop")
+    factory = event_loop_factory()
+    assert factory is uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        assert isinstance(runner.get_loop(), uvloop.Loop)
+        assert runner.run(asyncio.sleep(0, "ok")) == "ok"
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` now fails
+    assert event_loop_factory() is None
