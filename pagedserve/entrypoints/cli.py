@@ -57,7 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
     for output in outputs:
         completion = output.outputs[0]
         print(
-            f"--- prompt: {output.prompt!r} ({completion.finish_reason}, "
+            f"--- prompt: {output.prompt!r} (finish_reason: {completion.finish_reason}, "
             f"{len(completion.token_ids)} tokens)"
         )
         print((output.prompt or "") + completion.text)

@@ -206,4 +206,4 @@ def test_generate_takes_generation_config_defaults_and_flags_win(tmp_path, capsy
     base = ["generate", "--device", "cpu", "--generation-config", str(tmp_path)]
     for flags, expected in [([], "5 tokens"), (["--max-tokens", "3"], "3 tokens")]:
         assert cli_main([*base, "--prompt", "Once upon a time", *flags]) == 0
-        assert f"(length, {expected})" in capsys.readouterr().out
+        assert f"(finish_reason: length, {expected})" in capsys.readouterr().out
