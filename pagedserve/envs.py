@@ -173,8 +173,8 @@ def pdl() -> bool:
     programmatic dependent launch on GPUs of compute capability 9.0+ (it starts streaming its
     weights while the kernel before it finishes; the small Triton kernels before it let it start
     early: pagedserve/gdc.py), "0" launches it after the previous kernel has finished, to
-    compare. Read at each launch, so a CUDA graph keeps what was set when it was captured.
-    Raises ValueError for another value."""
+    compare. Read once per process, at the first launch on each device. Raises ValueError for
+    another value."""
     return _switch(PDL)
 
 

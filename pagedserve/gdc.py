@@ -39,21 +39,39 @@ def launch_dependents():
     _gdc_launch_dependents()
 
 
-def pdl_trigger(device: torch.device) -> bool:
-    """The PDL_TRIGGER constexpr for a kernel on `device`: a CUDA device of compute capability
-    9.0+, Triton with grid dependency control, not Triton's interpreter, PAGEDSERVE_PDL not
-    "0" (`envs.pdl`)."""
-    if device.type != "cuda" or not envs.pdl() or not _HAVE_GDC or _interpreting():
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` use programmatic dependent launch: a CUDA device of compute
+    capability 9.0+ (PTX griddepcontrol) and PAGEDSERVE_PDL not "0" (`envs.pdl`). Decided once
+    per process and device (the launches ask per call, on the host's hot path)."""
+    if device.type != "cuda":
         return False
     # "cuda" without an index is the current device now (a cache keyed by None would keep
     # whichever device was current first)
-    return capable(device.index if device.index is not None else torch.cuda.current_device())
+    return _enabled(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_trigger(device: torch.device) -> bool:
+    """The PDL_TRIGGER constexpr for a Triton kernel on `device`: `pdl_enabled`, Triton with
+    grid dependency control, not Triton's interpreter."""
+    if device.type != "cuda":
+        return False
+    return _trigger(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def capable(device_index: int) -> bool:
-    """Whether CUDA device `device_index` has PTX griddepcontrol (compute capability 9.0+)."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+def _enabled(device_index: int) -> bool:
+    return envs.pdl() and torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+@functools.cache
+def _trigger(device_index: int) -> bool:
+    return _HAVE_GDC and not _interpreting() and _enabled(device_index)
+
+
+def clear_cache() -> None:
+    """Forget the decisions (tests that change PAGEDSERVE_PDL or the interpreter switch)."""
+    _enabled.cache_clear()
+    _trigger.cache_clear()
 
 
 def _interpreting() -> bool:

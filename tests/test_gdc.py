@@ -3,12 +3,24 @@ off on the CPU, when PAGEDSERVE_PDL=0, below compute capability 9.0 and under Tr
 interpreter; on an sm_90+ GPU the Triton kernels compiled with the early signal give the same
 values as without it."""
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from pagedserve import envs
 
 triton = pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_decisions() -> Iterator[None]:
+    """gdc decides once per process and device: each test here changes what it reads."""
+    from pagedserve import gdc
+
+    gdc.clear_cache()
+    yield
+    gdc.clear_cache()
 
 
 def test_pdl_switch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,6 +52,7 @@ def test_trigger_variant_compiles_and_changes_no_value(
 ) -> None:
     """RMSNorm (with residual) and SiLU-and-mul compiled with and without the early launch
     signal (PDL_TRIGGER) give the same values."""
+    from pagedserve import gdc
     from pagedserve.gdc import pdl_trigger
     from pagedserve.layers.kernels.fused_ops import rms_norm, silu_and_mul
 
@@ -53,6 +66,7 @@ def test_trigger_variant_compiles_and_changes_no_value(
     results = []
     for switch in ("1", "0"):
         monkeypatch.setenv(envs.PDL, switch)
+        gdc.clear_cache()
         normed, summed = rms_norm(x, weight, 1e-6, residual)
         results.append((normed, summed, silu_and_mul(x)))
     for on, off in zip(*results, strict=True):
@@ -76,7 +90,6 @@ def test_pdl_gating_on_a_faked_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     interpret = getattr(getattr(triton, "knobs", None), "runtime", None)
     if interpret is not None:
         monkeypatch.setattr(interpret, "interpret", False)
-    gdc.capable.cache_clear()
     try:
         assert gdc.pdl_trigger(torch.device("cuda", 0)) == gdc._HAVE_GDC
         assert not gdc.pdl_trigger(torch.device("cuda", 1))
@@ -92,6 +105,7 @@ def test_pdl_gating_on_a_faked_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setattr(interpret, "interpret", True)
         else:
             monkeypatch.setenv("TRITON_INTERPRET", "true")
+        gdc.clear_cache()
         assert not gdc.pdl_trigger(torch.device("cuda", 0))  # no griddepcontrol interpreted
     finally:
-        gdc.capable.cache_clear()
+        gdc.clear_cache()

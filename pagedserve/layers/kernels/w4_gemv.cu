@@ -25,8 +25,9 @@ constexpr int kMaxK = 1 << 21;  // group_of is exact below this (w4_gemv_cuda.MA
 // programmatic-serialization attribute may start while the kernel before it in the stream still
 // runs: it must call gdc_wait() before reading anything a kernel may write (x, and the bias,
 // which the caller may have just cast) and before writing anything (out), and may read only
-// what no kernel writes (the weights, scales and zeros) before it. gdc_launch_dependents() lets the next such kernel start early. Both are
-// no-ops in a kernel launched without the attribute, and below sm_90 they compile to nothing.
+// what no kernel writes (the weights, scales and zeros) before it. gdc_launch_dependents() lets
+// the next such kernel start early. Both are no-ops in a kernel launched without the
+// attribute, and below sm_90 they compile to nothing.
 __device__ __forceinline__ void gdc_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

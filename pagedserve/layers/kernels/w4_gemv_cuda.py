@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve import envs, gdc
+from pagedserve import gdc
 from pagedserve.layers.kernels import num_sms
 from pagedserve.layers.quantization.packed import PackedWeights, unpack_int32
 
@@ -143,12 +143,9 @@ def built() -> bool:
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Whether `w4_gemv` launches with programmatic dependent launch on `device`: a CUDA
-    device of compute capability 9.0+ (PTX griddepcontrol) and PAGEDSERVE_PDL not "0"
-    (`envs.pdl`)."""
-    if device.type != "cuda" or not envs.pdl():
-        return False
-    return gdc.capable(device.index if device.index is not None else torch.cuda.current_device())
+    """Whether `w4_gemv` launches with programmatic dependent launch on `device`
+    (`gdc.pdl_enabled`: compute capability 9.0+, PAGEDSERVE_PDL not "0")."""
+    return gdc.pdl_enabled(device)
 
 
 def supports_weight(w: PackedWeights) -> bool:
