@@ -178,6 +178,18 @@ def pdl() -> bool:
     return _switch(PDL)
 
 
+W4_EPILOGUES = "PAGEDSERVE_W4_EPILOGUES"
+
+
+def w4_epilogues() -> bool:
+    """PAGEDSERVE_W4_EPILOGUES: "1" (default) lets the W4A16 CUDA GEMV (4-bit decode, up to 8
+    rows) finish a Llama-style layer's output itself: silu(gate) * up for gate_up_proj, the
+    rotary embedding of q and k for qkv_proj (one kernel each instead of two); "0" runs the
+    separate activation / rotary kernels, to compare. Read at each call. Raises ValueError for
+    another value."""
+    return _switch(W4_EPILOGUES)
+
+
 def _switch(name: str) -> bool:
     """An on/off variable, on by default: "1" or unset/empty on, "0" off, else ValueError."""
     raw = os.environ.get(name) or "1"  # empty: unset

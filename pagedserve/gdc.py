@@ -9,7 +9,9 @@ kernels that come right before the decode linears (RMSNorm, SiLU-and-mul, the de
 attention and its combine) do so at their start when their `PDL_TRIGGER` constexpr is set
 (`pdl_trigger`). The signal is a hint: it has no effect on a kernel launched without PDL,
 and none on correctness, since the dependent still waits for this kernel's completion and
-memory before it reads anything this kernel wrote.
+memory before it reads anything this kernel wrote. The RMSNorm is also launched with PDL
+(`pdl_launch`): it waits (`wait_for_previous`) before anything else, so that it can be resident
+while the GEMV before it ends.
 
 A top-level module because both layers/ and attention/ (below it) use it.
 """
@@ -26,6 +28,7 @@ from pagedserve import envs
 
 try:  # Triton 3.3+
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
 
     _HAVE_GDC = True
 except ImportError:  # pragma: no cover (older Triton: the trigger stays off)
@@ -37,6 +40,22 @@ def launch_dependents():
     """griddepcontrol.launch_dependents (call it under `if PDL_TRIGGER:` only: the
     instruction does not exist below sm_90, nor in Triton's interpreter)."""
     _gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous():
+    """griddepcontrol.wait: returns once the kernel before this one in the stream has finished
+    and its writes are visible. A kernel launched with PDL (Triton's `launch_pdl=True`) must
+    call it before it reads another kernel's output or writes anything (under `if PDL:` only,
+    as `launch_dependents`)."""
+    _gdc_wait()
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """The launch option of a Triton kernel that calls `wait_for_previous()` first when its
+    PDL constexpr (`pdl_trigger`) is set: {"launch_pdl": True} then, else none (Triton's
+    interpreter takes no such option)."""
+    return {"launch_pdl": True} if pdl_trigger(device) else {}
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -150,6 +150,31 @@ class LinearBase(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, output_size] float
         return self.quant_method.apply(self, x, self.bias)
 
+    def forward_silu_and_mul(
+        self,
+        x: torch.Tensor,  # [num_tokens, input_size] float
+    ) -> torch.Tensor | None:  # [num_tokens, output_size / 2] float
+        """silu(gate) * up of this [gate | up] layer's output in one kernel where its linear
+        method has one for x (the 4-bit CUDA GEMV's epilogue: decode, up to 8 rows), else
+        None: the caller then runs the layer and the activation."""
+        return self.quant_method.apply_silu_and_mul(self, x, self.bias)
+
+    def forward_rope(
+        self,
+        x: torch.Tensor,  # [num_tokens, input_size] float
+        positions: torch.Tensor,  # [num_tokens] int64
+        cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] float32, [cos | sin]
+        head_dim: int,
+        rot_cols: int,  # the q and k heads' columns (rotated); the v heads' follow
+    ) -> torch.Tensor | None:  # [num_tokens, output_size] float
+        """This qkv layer's output with the rotary embedding (neox layout) of its q and k heads
+        applied in the same kernel where its linear method has one for x (the 4-bit CUDA
+        GEMV's epilogue: decode, up to 8 rows), else None: the caller then runs the layer and
+        the rotary embedding."""
+        return self.quant_method.apply_rope(
+            self, x, self.bias, positions, cos_sin_cache, head_dim, rot_cols
+        )
+
 
 class ReplicatedLinear(LinearBase):
     """A linear layer whose full weight lives on every rank."""

@@ -10,7 +10,7 @@ from torch import nn
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.distributed.parallel_state import is_first_pp_rank, is_last_pp_rank
 from pagedserve.errors import UnsupportedModelError
-from pagedserve.layers.activation import get_gated_act_fn
+from pagedserve.layers.activation import SiluAndMul, get_gated_act_fn
 from pagedserve.layers.attention import Attention
 from pagedserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.layers.linear import (
@@ -100,6 +100,11 @@ class LlamaAttention(nn.Module):
             quant_config,
         )
         self.rotary_emb = rotary_emb  # shared by all layers
+        # Plain RoPE over whole heads (not M-RoPE's three positions): what the qkv layer's
+        # `forward_rope` can apply.
+        self.rope_fusable = (
+            type(rotary_emb) is RotaryEmbedding and rotary_emb.head_dim == self.head_dim
+        )
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     @classmethod
@@ -121,8 +126,20 @@ class LlamaAttention(nn.Module):
         hidden_states: torch.Tensor,  # [num_tokens, hidden_size] float
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size] float
-        q, k, v = self.split_qkv(self.qkv_proj(hidden_states))
-        q, k = self.rotary_emb(positions, q, k)
+        qkv = None
+        if self.rope_fusable and positions.dim() == 1:  # the 4-bit GEMV rotates q and k itself
+            qkv = self.qkv_proj.forward_rope(
+                hidden_states,
+                positions,
+                self.rotary_emb.cos_sin_cache,
+                self.head_dim,
+                self.q_size + self.kv_size,
+            )
+        if qkv is not None:
+            q, k, v = self.split_qkv(qkv)
+        else:
+            q, k, v = self.split_qkv(self.qkv_proj(hidden_states))
+            q, k = self.rotary_emb(positions, q, k)
         out: torch.Tensor = self.o_proj(self.attn(q, k, v, attn_metadata))
         return out
 
@@ -140,6 +157,7 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.act_fn = get_gated_act_fn(hidden_act or str(getattr(hf_config, "hidden_act", "silu")))
+        self.silu_fusable = isinstance(self.act_fn, SiluAndMul)
         bias = bool(getattr(hf_config, "mlp_bias", False))
         if intermediate_size is None:
             intermediate_size = hf_config.intermediate_size
@@ -154,7 +172,12 @@ class LlamaMLP(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden_size] float
     ) -> torch.Tensor:  # [num_tokens, hidden_size] float
-        out: torch.Tensor = self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        if self.silu_fusable:  # the 4-bit GEMV applies silu(gate) * up itself
+            fused = self.gate_up_proj.forward_silu_and_mul(x)
+            if fused is not None:
+                out: torch.Tensor = self.down_proj(fused)
+                return out
+        out = self.down_proj(self.act_fn(self.gate_up_proj(x)))
         return out
 
 

@@ -25,6 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedserve import envs, gdc
 from pagedserve.layers.kernels import w4_gemv_cuda
 from pagedserve.layers.kernels.w4_gemv_cuda import GEMM_MAX_M
 from pagedserve.layers.quantization.packed import PackedWeights, pack_int32, unpack_int32
@@ -206,7 +207,8 @@ repacked = torch.zeros(1, 1, 32, 4, device="cuda", dtype=torch.int32)  # N 16, K
 scales = torch.ones(1, 16, device="cuda", dtype=torch.bfloat16)
 out = torch.empty(4, 16, device="cuda", dtype=torch.bfloat16)
 args = (x, repacked, scales, None, None, out, 64, 8)  # group 64, zero point 8
-gemv = lambda warps, unroll: ext.w4_gemv_out(*args, warps, unroll, 1, False)  # no PDL
+no_epilogue = (0, 0, None, None, 0, 0)
+gemv = lambda warps, unroll: ext.w4_gemv_out(*args, warps, unroll, 1, False, *no_epilogue)  # no PDL
 gemm = lambda split, mt: ext.w4_gemm_out(*args, 2, split, mt, 1, 1)
 for name, call in (
     ("gemv unbuilt", lambda: gemv(4, 8)),
@@ -413,12 +415,16 @@ def test_repacked_layer_every_m(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_programmatic_launch_waits_for_its_input(dtype: torch.dtype) -> None:
+def test_programmatic_launch_waits_for_its_input(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With programmatic dependent launch the GEMV starts before the kernel that writes its x
-    has finished (the RMSNorm and SiLU-and-mul kernels let it, fused_ops); it must still read
-    that kernel's output: a decoder-layer-like chain (norm -> W4 GEMV -> SiLU-and-mul -> W4
-    GEMV) replayed from a CUDA graph with new inputs each time gives bit for bit what the
-    launches without PDL give, for M = 1 and 8."""
+    has finished (the RMSNorm and SiLU-and-mul kernels let it, fused_ops), and the RMSNorm
+    (itself launched with PDL) before the GEMV that writes its input has; each must still read
+    its input kernel's output: a decoder-layer-like chain (norm -> W4 GEMV -> SiLU-and-mul ->
+    W4 GEMV -> norm -> W4 GEMV with the SiLU epilogue -> W4 GEMV) replayed from a CUDA graph
+    with new inputs each time gives bit for bit what the launches without PDL
+    (PAGEDSERVE_PDL=0) give, for M = 1 and 8."""
     if not w4_gemv_cuda.available():
         pytest.skip("needs a CUDA GPU of sm_80+ and nvcc")
     if not w4_gemv_cuda.use_pdl(torch.device("cuda", torch.cuda.current_device())):
@@ -435,7 +441,18 @@ def test_programmatic_launch_waits_for_its_input(dtype: torch.dtype) -> None:
     def chain(src: torch.Tensor, residual: torch.Tensor, pdl: bool) -> torch.Tensor:
         x, _ = rms_norm(src, norm_weight, 1e-6, residual)
         h = w4_gemv_cuda.w4_gemv(x, up, up_r, pdl=pdl)
-        return w4_gemv_cuda.w4_gemv(silu_and_mul(h), down, down_r, pdl=pdl)
+        y = w4_gemv_cuda.w4_gemv(silu_and_mul(h), down, down_r, pdl=pdl)
+        x, _ = rms_norm(y, norm_weight, 1e-6, residual)
+        h = w4_gemv_cuda.w4_gemv_silu_and_mul(x, up, up_r, pdl=pdl)
+        return w4_gemv_cuda.w4_gemv(h, down, down_r, pdl=pdl)
+
+    def without_pdl(src: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        with monkeypatch.context() as patch:
+            patch.setenv(envs.PDL, "0")
+            gdc.clear_cache()
+            out = chain(src, residual, pdl=False)
+        gdc.clear_cache()
+        return out
 
     for m in (1, 8):
         src = torch.randn(m, hidden, device="cuda", dtype=dtype)
@@ -449,7 +466,7 @@ def test_programmatic_launch_waits_for_its_input(dtype: torch.dtype) -> None:
             src.copy_(torch.randn_like(src))
             residual.copy_(torch.randn_like(residual))
             graph.replay()
-            assert torch.equal(out, chain(src, residual, pdl=False))
+            assert torch.equal(out, without_pdl(src, residual))
 
 
 def _late_copy_kernels() -> tuple[Any, Any]:
@@ -498,9 +515,13 @@ def test_programmatic_launch_waits_for_a_late_input(dtype: torch.dtype) -> None:
         late_copy[(-(-src.numel() // block),)](src, x, src.numel(), 50_000, BLOCK=block)
         return x
 
+    def busy() -> None:  # the GPU sleeps while the host queues what follows: Python's own
+        torch.cuda._sleep(2_000_000)  # launch gaps (tens of us) would hide the window
+
     for m in (1, 8):
         src = torch.randn(m, k, device="cuda", dtype=dtype)
         seen = torch.empty_like(src)
+        busy()
         copy[(-(-src.numel() // block),)](
             late_x(src), seen, src.numel(), BLOCK=block, launch_pdl=True
         )
@@ -509,6 +530,7 @@ def test_programmatic_launch_waits_for_a_late_input(dtype: torch.dtype) -> None:
             pytest.skip("no early launch observed: nothing to test the wait against")
         expected = w4_gemv_cuda.w4_gemv(src, w, r, pdl=False)
         for _ in range(10):
+            busy()
             assert torch.equal(w4_gemv_cuda.w4_gemv(late_x(src), w, r, pdl=True), expected)
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.gdc import launch_dependents, pdl_trigger
+from pagedserve.gdc import launch_dependents, pdl_launch, pdl_trigger, wait_for_previous
 
 
 @triton.jit
@@ -20,10 +20,11 @@ def _rms_norm_kernel(
     stride_x, stride_residual, stride_out,
     hidden_size, eps,
     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    if PDL_TRIGGER:  # the next linear may start streaming its weights (gdc.py)
-        launch_dependents()
+    if PDL:  # launched with PDL (gdc.py): the previous kernel's output is x
+        wait_for_previous()
+        launch_dependents()  # the next linear may start streaming its weights
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -63,7 +64,8 @@ def rms_norm(
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         hidden_size, eps,
         HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
-        PDL_TRIGGER=pdl_trigger(x.device), num_warps=min(max(block // 256, 1), 16),
+        PDL=pdl_trigger(x.device), num_warps=min(max(block // 256, 1), 16),
+        **pdl_launch(x.device),
     )  # fmt: skip
     return out, residual_out
 

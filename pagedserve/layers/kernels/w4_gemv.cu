@@ -9,6 +9,10 @@
 // words with lop3 into fp16x2 / bf16x2 values q - z (exact), and the tensor cores accumulate
 // x * (q - z) in fp32. The group's scale multiplies the chunk's fp32 sum once. The warps' sums
 // meet in shared memory at the end; no split-K across blocks, no second kernel, no atomics.
+//
+// Fused epilogues (EPI != kEpiNone, two tiles per block): the block's two tiles are partners, so
+// that it can finish the output pairwise: silu(gate) * up of a [gate | up] layer, or the rotary
+// embedding of a qkv layer's q and k heads (see Epilogue).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -20,6 +24,25 @@ constexpr int kTileN = 16;      // output columns of a block (the MMA's M)
 constexpr int kChunkK = 64;     // K rows of one lane's uint4 (two k32 steps)
 constexpr int kMaxM = 8;        // the MMA's N: rows of x
 constexpr int kMaxK = 1 << 21;  // group_of is exact below this (w4_gemv_cuda.MAX_K)
+
+// What the GEMV does with its sums before it stores them (w4_gemv_cuda's GemvEpilogue).
+constexpr int kEpiNone = 0;     // out [M, N] = x @ W^T (+ bias)
+constexpr int kEpiSiluMul = 1;  // W's N columns are [gate | up]: out [M, N / 2] = silu(gate) * up
+constexpr int kEpiRope = 2;     // out [M, N], the q and k heads rotated (neox layout)
+
+// A paired-tile epilogue's parameters. Block b owns the tiles t0 = (b / P) 2P + b % P and t0 + P
+// (P = `period`), so that output column c of t0 meets its partner c + 16 P in one block:
+// kEpiSiluMul: P = N / 32 (gate column c, up column c + N / 2). kEpiRope: P = half / 16 (column
+// d < half of a head and its rotation partner d + half). Each sum is rounded to T first, as the
+// unfused GEMV's output is, then the epilogue runs in fp32 and rounds once more.
+struct Epilogue {
+  const int64_t* positions;  // [M] token positions (kEpiRope)
+  const float* cos_sin;      // [max_position, 2 half] fp32, [cos | sin] per row (kEpiRope)
+  int64_t cos_sin_stride;    // elements between rows of cos_sin
+  int period;                // P, in tiles
+  int rot_cols;              // columns of the rotated heads, q then k (kEpiRope): the rest is v
+  int half;                  // half a head's columns (kEpiRope)
+};
 
 // Programmatic dependent launch (sm_90+; PTX griddepcontrol). A kernel launched with the
 // programmatic-serialization attribute may start while the kernel before it in the stream still
@@ -178,15 +201,17 @@ struct GemvBatch {
   int16_t z[UNROLL][NT][kSteps][2];
 };
 
-template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL, int NT>
+template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL, int NT, int EPI>
 __global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
     const T* __restrict__ x,              // [M, K]
     const uint4* __restrict__ qweight,    // [N_pad / 16, K_pad / 64, 32] uint4 (repacked)
     const uint16_t* __restrict__ scales,  // [G, N] fp16 or bf16 (scales_bf16)
     const int16_t* __restrict__ zeros,    // [G, N] (HAS_ZEROS)
     const T* __restrict__ bias,           // [N] or nullptr
-    T* __restrict__ out,                  // [M, N]
-    int m, int n, int k, int num_groups, float inv_group, int zero_value, bool scales_bf16) {
+    T* __restrict__ out,                  // [M, N] ([M, N / 2]: kEpiSiluMul)
+    int m, int n, int k, int num_groups, float inv_group, int zero_value, bool scales_bf16,
+    Epilogue epi) {
+  static_assert(EPI == kEpiNone || NT == 2, "a paired-tile epilogue needs two tiles per block");
   using Batch = GemvBatch<STEP_SCALE, UNROLL, NT>;
   constexpr int kSteps = Batch::kSteps;
   constexpr int kCols = NT * kTileN;
@@ -200,11 +225,16 @@ __global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
   const int num_chunks = (k + kChunkK - 1) / kChunkK;
   const int last_chunk = num_chunks - 1;
   const int stride = num_warps * UNROLL;
+  // The block's first tile and the step to its next: adjacent tiles, or partners P apart.
+  const int period = EPI == kEpiNone ? 1 : epi.period;
+  const int tile0 = EPI == kEpiNone
+                        ? blockIdx.x * NT
+                        : (blockIdx.x / period) * 2 * period + blockIdx.x % period;
   const uint4* wtile[NT];
   int col0[NT], col1[NT];  // clamped: padded columns read column n - 1
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
-    const int tile = min(blockIdx.x * NT + j, num_tiles - 1);  // a missing last tile: dropped
+    const int tile = min(tile0 + j * period, num_tiles - 1);  // a missing last tile: dropped
     wtile[j] = qweight + static_cast<size_t>(tile) * num_chunks * 32 + lane;
     col0[j] = min(tile * kTileN + g, n - 1);
     col1[j] = min(tile * kTileN + g + 8, n - 1);
@@ -310,14 +340,51 @@ __global__ void __launch_bounds__(512, 1) w4_gemv_kernel(
     mine[(2 * t + 1) * kCols + j * kTileN + g + 8] = acc[j][3];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < kMaxM * kCols; i += blockDim.x) {  // blocks of 1..4 warps too
-    const int row = i / kCols;
-    const int col = blockIdx.x * kCols + i % kCols;
-    if (row < m && col < n) {
-      float sum = 0.f;
-      for (int w = 0; w < num_warps; ++w) sum += partial[w * kMaxM * kCols + i];
-      if (bias != nullptr) sum += to_float(__ldca(bias + col));  // after gdc_wait, coherent
-      out[static_cast<size_t>(row) * n + col] = from_float<T>(sum);
+  if constexpr (EPI == kEpiNone) {
+    for (int i = threadIdx.x; i < kMaxM * kCols; i += blockDim.x) {  // blocks of 1..4 warps too
+      const int row = i / kCols;
+      const int col = blockIdx.x * kCols + i % kCols;
+      if (row < m && col < n) {
+        float sum = 0.f;
+        for (int w = 0; w < num_warps; ++w) sum += partial[w * kMaxM * kCols + i];
+        if (bias != nullptr) sum += to_float(__ldca(bias + col));  // after gdc_wait, coherent
+        out[static_cast<size_t>(row) * n + col] = from_float<T>(sum);
+      }
+    }
+  } else {
+    // One thread per (row, column c of the first tile): the column and its partner.
+    for (int i = threadIdx.x; i < kMaxM * kTileN; i += blockDim.x) {
+      const int row = i / kTileN;
+      const int c = i % kTileN;
+      if (row >= m) continue;
+      float lo = 0.f, hi = 0.f;
+      for (int w = 0; w < num_warps; ++w) {
+        lo += partial[w * kMaxM * kCols + row * kCols + c];
+        hi += partial[w * kMaxM * kCols + row * kCols + kTileN + c];
+      }
+      const int col_lo = tile0 * kTileN + c;
+      const int col_hi = col_lo + period * kTileN;
+      if (bias != nullptr) {
+        lo += to_float(__ldca(bias + col_lo));
+        hi += to_float(__ldca(bias + col_hi));
+      }
+      const float a = to_float(from_float<T>(lo));  // the unfused output's rounding
+      const float b = to_float(from_float<T>(hi));
+      if constexpr (EPI == kEpiSiluMul) {
+        out[static_cast<size_t>(row) * (n / 2) + col_lo] = from_float<T>(a / (1.f + __expf(-a)) * b);
+      } else {
+        float o1 = a, o2 = b;
+        if (col_lo < epi.rot_cols) {  // a q or k head: rotate (d, d + half) by its position
+          const int d = col_lo % (2 * epi.half);
+          const float* cs = epi.cos_sin + __ldca(epi.positions + row) * epi.cos_sin_stride;
+          const float cosv = __ldg(cs + d);
+          const float sinv = __ldg(cs + epi.half + d);
+          o1 = a * cosv - b * sinv;
+          o2 = b * cosv + a * sinv;
+        }
+        out[static_cast<size_t>(row) * n + col_lo] = from_float<T>(o1);
+        out[static_cast<size_t>(row) * n + col_hi] = from_float<T>(o2);
+      }
     }
   }
 }
@@ -347,16 +414,17 @@ static void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 
-template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL, int NT>
+template <typename T, bool HAS_ZEROS, bool STEP_SCALE, int UNROLL, int NT, int EPI>
 static void launch(const torch::Tensor& x, const torch::Tensor& qweight,
                    const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                    const std::optional<torch::Tensor>& bias, torch::Tensor& out, int group_size,
-                   int zero_value, int num_warps, bool pdl) {
-  const int m = x.size(0), k = x.size(1), n = out.size(1);
+                   int zero_value, int num_warps, bool pdl, const w4::Epilogue& epi) {
+  const int m = x.size(0), k = x.size(1);
+  const int n = EPI == w4::kEpiSiluMul ? 2 * out.size(1) : out.size(1);  // W's columns
   const int num_tiles = (n + w4::kTileN - 1) / w4::kTileN;
   const size_t smem = sizeof(float) * num_warps * w4::kMaxM * w4::kTileN * NT;
   auto stream = at::cuda::getCurrentCUDAStream();
-  launch_kernel(w4::w4_gemv_kernel<T, HAS_ZEROS, STEP_SCALE, UNROLL, NT>,
+  launch_kernel(w4::w4_gemv_kernel<T, HAS_ZEROS, STEP_SCALE, UNROLL, NT, EPI>,
                 dim3((num_tiles + NT - 1) / NT), dim3(num_warps * 32), smem, stream, pdl,
           reinterpret_cast<const T*>(x.data_ptr()),
           reinterpret_cast<const uint4*>(qweight.data_ptr()),
@@ -364,48 +432,67 @@ static void launch(const torch::Tensor& x, const torch::Tensor& qweight,
           HAS_ZEROS ? reinterpret_cast<const int16_t*>(zeros->data_ptr()) : nullptr,
           bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
           reinterpret_cast<T*>(out.data_ptr()), m, n, k, scales.size(0), 1.0f / group_size,
-          zero_value, scales.scalar_type() == at::kBFloat16);
+          zero_value, scales.scalar_type() == at::kBFloat16, epi);
 }
 
-// Launches the built instantiation for (unroll, nt); false if there is none (w4_gemv_out
-// returns it: see there).
+// Launches the built instantiation for (unroll, nt, epi.kind); false if there is none
+// (w4_gemv_out returns it: see there).
 template <typename T>
 static bool dispatch(const torch::Tensor& x, const torch::Tensor& qweight,
                      const torch::Tensor& scales, const std::optional<torch::Tensor>& zeros,
                      const std::optional<torch::Tensor>& bias, torch::Tensor& out, int group_size,
-                     int zero_value, int num_warps, int unroll, int nt, bool pdl) {
+                     int zero_value, int num_warps, int unroll, int nt, bool pdl, int epilogue,
+                     const w4::Epilogue& epi) {
   const bool step = group_size % 64 != 0 && scales.size(0) > 1;
   const bool z = zeros.has_value();
-#define W4_CASE(Z, S, U, NT)                                                                  \
-  if (z == Z && step == S && unroll == U && nt == NT) {                                       \
-    launch<T, Z, S, U, NT>(x, qweight, scales, zeros, bias, out, group_size, zero_value,      \
-                           num_warps, pdl);                                                   \
+#define W4_CASE(Z, S, U, NT, E)                                                               \
+  if (z == Z && step == S && unroll == U && nt == NT && epilogue == E) {                      \
+    launch<T, Z, S, U, NT, E>(x, qweight, scales, zeros, bias, out, group_size, zero_value,   \
+                              num_warps, pdl, epi);                                           \
     return true;                                                                              \
   }
-#define W4_CASES(U, NT) \
-  W4_CASE(false, false, U, NT) W4_CASE(false, true, U, NT) W4_CASE(true, false, U, NT) \
-  W4_CASE(true, true, U, NT)
-  // w4_gemv_cuda.GEMV_CONFIGS: keep the two lists equal
-  W4_CASES(2, 1) W4_CASES(2, 2) W4_CASES(4, 1)
+#define W4_CASES(U, NT, E) \
+  W4_CASE(false, false, U, NT, E) W4_CASE(false, true, U, NT, E) W4_CASE(true, false, U, NT, E) \
+  W4_CASE(true, true, U, NT, E)
+  // w4_gemv_cuda.GEMV_CONFIGS and EPILOGUE_CONFIG: keep the lists equal
+  W4_CASES(2, 1, w4::kEpiNone) W4_CASES(2, 2, w4::kEpiNone) W4_CASES(4, 1, w4::kEpiNone)
+  W4_CASES(2, 2, w4::kEpiSiluMul) W4_CASES(2, 2, w4::kEpiRope)
 #undef W4_CASES
 #undef W4_CASE
   return false;
 }
 
-// out [M, N] = x [M, K] @ W^T (+ bias); the caller checks shapes, dtypes and alignment.
-// Returns false, launching nothing, for an (unroll, nt) it does not build: the caller raises
-// (a c10::Error thrown after the dispatch's launches segfaulted the process on the H200,
-// sessions 6 and 7, so this path returns instead of throwing).
+// out [M, N] = x [M, K] @ W^T (+ bias), or a fused epilogue's output (`epilogue`: w4::kEpi*,
+// with `period` and, for kEpiRope, positions [M] int64, cos_sin [*, 2 half] fp32, rot_cols and
+// half); the caller checks shapes, dtypes and alignment. Returns false, launching nothing, for
+// a configuration it does not build: the caller raises (a c10::Error thrown after the
+// dispatch's launches segfaulted the process on the H200, sessions 6 and 7, so this path
+// returns instead of throwing).
 bool w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t unroll, int64_t nt, bool pdl) {
+                 int64_t unroll, int64_t nt, bool pdl, int64_t epilogue, int64_t period,
+                 std::optional<torch::Tensor> positions, std::optional<torch::Tensor> cos_sin,
+                 int64_t rot_cols, int64_t half) {
   TORCH_CHECK(x.size(0) <= w4::kMaxM && num_warps >= 1 && num_warps <= 16, "w4_gemv: bad M/warps");
   TORCH_CHECK(x.size(1) < w4::kMaxK, "w4_gemv: K must be below 2^21 (group_of), got ", x.size(1));
+  TORCH_CHECK(epilogue == w4::kEpiNone || period >= 1, "w4_gemv: bad epilogue period");
+  TORCH_CHECK(epilogue != w4::kEpiRope || (positions.has_value() && cos_sin.has_value()),
+              "w4_gemv: the rotary epilogue needs positions and cos_sin");
+  w4::Epilogue epi = {};
+  epi.period = static_cast<int>(period);
+  if (epilogue == w4::kEpiRope) {
+    epi.positions = positions->data_ptr<int64_t>();
+    epi.cos_sin = cos_sin->data_ptr<float>();
+    epi.cos_sin_stride = cos_sin->stride(0);
+    epi.rot_cols = static_cast<int>(rot_cols);
+    epi.half = static_cast<int>(half);
+  }
   return x.scalar_type() == at::kHalf
              ? dispatch<__half>(x, qweight, scales, zeros, bias, out, group_size, zero_value,
-                                num_warps, unroll, nt, pdl)
+                                num_warps, unroll, nt, pdl, static_cast<int>(epilogue), epi)
              : dispatch<__nv_bfloat16>(x, qweight, scales, zeros, bias, out, group_size,
-                                       zero_value, num_warps, unroll, nt, pdl);
+                                       zero_value, num_warps, unroll, nt, pdl,
+                                       static_cast<int>(epilogue), epi);
 }
 #endif  // W4_NO_TORCH

@@ -28,6 +28,14 @@ turn (warp w: chunks w, w + W, ...) in batches of UNROLL chunks, the next batch'
 flight while a batch is computed, the warps' sums added in shared memory. No split-K across
 blocks, no workspace, no host syncs: safe in CUDA graphs.
 
+Fused epilogues (`w4_gemv_silu_and_mul`, `w4_gemv_rope`): a block's two tiles can be partner
+columns instead of neighbours, so that the GEMV finishes a layer's output itself: silu(gate) *
+up of a [gate | up] layer (its N / 2 columns out), or the rotary embedding of a qkv layer's q
+and k heads (column d of a head with its partner d + head_dim / 2). Each sum is rounded to x's
+dtype first, as the plain GEMV's output is, so the result equals the GEMV followed by the
+separate kernel up to that kernel's own fp32 rounding. One kernel instead of two per layer at
+decode: the activation's and the rotary's launches and their reads and writes of the output.
+
 Programmatic dependent launch (compute capability 9.0+, `use_pdl`): the GEMV is launched with
 CUDA's programmatic stream serialization, so that it may start while the kernel before it
 finishes. It issues its first weight loads (weights, scales and zeros: written by no kernel),
@@ -68,7 +76,9 @@ _DECLARATION = """
 bool w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
-                 int64_t unroll, int64_t nt, bool pdl);
+                 int64_t unroll, int64_t nt, bool pdl, int64_t epilogue, int64_t period,
+                 std::optional<torch::Tensor> positions, std::optional<torch::Tensor> cos_sin,
+                 int64_t rot_cols, int64_t half);
 bool w4_gemm_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                  std::optional<torch::Tensor> zeros, std::optional<torch::Tensor> bias,
                  torch::Tensor out, int64_t group_size, int64_t zero_value, int64_t num_warps,
@@ -148,7 +158,7 @@ def use_pdl(device: torch.device) -> bool:
     return gdc.pdl_enabled(device)
 
 
-def supports_weight(w: PackedWeights) -> bool:
+def supports_weight(w: "PackedWeights | RepackedWeights") -> bool:
     """Whether the kernels take this weight: 4-bit, no act-order, groups of a multiple of 32
     rows (or one group), fp16/bf16 scales, int16 or constant zero points, K below MAX_K, on a
     CUDA device where the extension can be built."""
@@ -165,7 +175,7 @@ def supports_weight(w: PackedWeights) -> bool:
     )
 
 
-def supports(w: PackedWeights, x: torch.Tensor) -> bool:
+def supports(w: "PackedWeights | RepackedWeights", x: torch.Tensor) -> bool:
     """Whether `w4_gemv` takes this weight and input (else the caller falls back):
     `supports_weight` and 1..8 rows of fp16/bf16 x on the GPU."""
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
@@ -197,19 +207,25 @@ def repack(w: PackedWeights) -> torch.Tensor:  # [N_pad / 16, K_pad / 64, 32, 4]
 # (unroll, nt) of the GEMV that the extension builds (w4_gemv.cu's dispatch): chunks per batch
 # of a warp's loads, and 16-column tiles per block.
 GEMV_CONFIGS = ((2, 1), (2, 2), (4, 1))
+# The (unroll, nt) of the fused epilogues (w4_gemv.cu's kEpiSiluMul / kEpiRope): two tiles per
+# block, a column and its partner.
+EPILOGUE_CONFIG = (2, 2)
+EPI_NONE, EPI_SILU_MUL, EPI_ROPE = 0, 1, 2  # w4_gemv.cu's kEpi*
 
 
-def pick_gemv_config(n: int, k: int) -> tuple[int, int, int]:
+def pick_gemv_config(n: int, k: int, nt: int | None = None) -> tuple[int, int, int]:
     """(num_warps, unroll, nt) of `w4_gemv`: two tiles per block when there are at least 8
     tiles per SM (the per-chunk work on x shared by both), else one (more blocks for narrow
     layers); the fewest warps of 4 / 8 / 16 that give the GPU WARPS_PER_SM warps per SM, without
     warps left with no chunk; batches of 4 chunks when a warp has at least 16 chunks and one
     tile, else 2. On the H200 this picks the sweep's best config for each of Llama-8B's four
-    linears at M = 1 (benchmarks/w4_gemv_cuda.py --sweep; BENCHMARKS.md, issue 15)."""
+    linears at M = 1 (benchmarks/w4_gemv_cuda.py --sweep; BENCHMARKS.md, issue 15). `nt`
+    forces the tiles per block (the fused epilogues take 2)."""
     sms = num_sms(torch.cuda.current_device())
     num_tiles = -(-n // TILE_N)
     num_chunks = -(-k // CHUNK_K)
-    nt = 2 if num_tiles >= 8 * sms else 1
+    if nt is None:
+        nt = 2 if num_tiles >= 8 * sms else 1
     blocks = -(-num_tiles // nt)
     warps = 16
     for candidate in (4, 8):
@@ -239,19 +255,138 @@ def w4_gemv(
             f"w4_gemv: (num_warps, unroll, nt) = {(num_warps, unroll, nt)} is not built: "
             f"num_warps 1..16 and (unroll, nt) in GEMV_CONFIGS = {GEMV_CONFIGS}"
         )
+    out = _launch_gemv(x2, w, repacked, bias, n, (num_warps, unroll, nt), pdl, EPI_NONE, 0)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _launch_gemv(
+    x2: torch.Tensor,  # [M, K]
+    w: "PackedWeights | RepackedWeights",
+    repacked: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,  # columns of the output
+    config: tuple[int, int, int],
+    pdl: bool | None,
+    epilogue: int,  # EPI_*
+    period: int,  # tiles between partners (fused epilogues)
+    positions: torch.Tensor | None = None,  # EPI_ROPE
+    cos_sin: torch.Tensor | None = None,
+    rot_cols: int = 0,
+    half: int = 0,
+) -> torch.Tensor:  # [M, out_features], x's dtype
+    num_warps, unroll, nt = config
     if x2.stride(-1) != 1 or x2.stride(0) != x2.size(1) or x2.data_ptr() % 16 != 0:
         # the kernel's 16-byte loads of x rows (a contiguous view at an odd offset stays
         # misaligned through .contiguous(): copy)
         x2 = x2.clone(memory_format=torch.contiguous_format)
-    out = torch.empty(x2.size(0), n, dtype=x.dtype, device=x.device)
-    if bias is not None and bias.dtype != x.dtype:
-        bias = bias.to(x.dtype)
+    out = torch.empty(x2.size(0), out_features, dtype=x2.dtype, device=x2.device)
+    if bias is not None and bias.dtype != x2.dtype:
+        bias = bias.to(x2.dtype)
     launched = load().w4_gemv_out(  # type: ignore[attr-defined]
         x2, repacked, w.scales, w.zeros, bias, out, w.group_size, w.zero_value, num_warps,
-        unroll, nt, use_pdl(x2.device) if pdl is None else pdl,
+        unroll, nt, use_pdl(x2.device) if pdl is None else pdl, epilogue, period, positions,
+        cos_sin, rot_cols, half,
     )  # fmt: skip
     if not launched:  # GEMV_CONFIGS and w4_gemv.cu's dispatch disagree
-        raise RuntimeError(f"w4_gemv: {(unroll, nt)} is not a built configuration of the extension")
+        raise RuntimeError(
+            f"w4_gemv: {(unroll, nt)} with epilogue {epilogue} is not a built configuration "
+            "of the extension"
+        )
+    return out
+
+
+def epilogue_config(n: int, k: int, num_warps: int | None = None) -> tuple[int, int, int]:
+    """(num_warps, unroll, nt) of a fused-epilogue GEMV: EPILOGUE_CONFIG with `num_warps`,
+    by default `pick_gemv_config`'s for two tiles per block. ValueError outside 1..16."""
+    if num_warps is None:
+        num_warps = pick_gemv_config(n, k, nt=2)[0]
+    if not 1 <= num_warps <= 16:
+        raise ValueError(f"w4_gemv: num_warps must be 1..16, got {num_warps}")
+    return (num_warps, *EPILOGUE_CONFIG)
+
+
+def supports_silu_and_mul(w: "PackedWeights | RepackedWeights", x: torch.Tensor) -> bool:
+    """Whether `w4_gemv_silu_and_mul` takes this [gate | up] weight and x: `supports`, x in
+    the scales' dtype, and N / 2 a multiple of 16 (a tile never holds both halves)."""
+    n = w.out_features
+    return n % (2 * TILE_N) == 0 and x.dtype == w.scales.dtype and supports(w, x)
+
+
+def w4_gemv_silu_and_mul(
+    x: torch.Tensor,  # [M, K] float16 / bfloat16, 1..MAX_M rows
+    w: "PackedWeights | RepackedWeights",  # [gate | up]: N = 2 * intermediate
+    repacked: torch.Tensor,  # repack(w)
+    bias: torch.Tensor | None = None,  # [N]
+    pdl: bool | None = None,
+    num_warps: int | None = None,  # None: pick_gemv_config's for two tiles per block
+) -> torch.Tensor:  # [M, N / 2], x's dtype
+    """silu(gate) * up of h = x @ W^T (+ bias) = [gate | up] in one kernel (SwiGLU, as
+    `fused_ops.silu_and_mul` computes it from h rounded to x's dtype); the caller checks
+    `supports_silu_and_mul` first. ValueError for num_warps outside 1..16."""
+    x2 = x.reshape(-1, x.shape[-1])
+    n, k = w.out_features, x2.size(1)
+    config = epilogue_config(n, k, num_warps)
+    period = n // (2 * TILE_N)
+    out = _launch_gemv(x2, w, repacked, bias, n // 2, config, pdl, EPI_SILU_MUL, period)
+    return out.reshape(*x.shape[:-1], n // 2)
+
+
+def supports_rope(
+    w: "PackedWeights | RepackedWeights",
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    rot_cols: int,
+) -> bool:
+    """Whether `w4_gemv_rope` takes this qkv weight and its inputs: `supports`, x in the
+    scales' dtype, head_dim a multiple of 32 (a half head is whole tiles) dividing N and
+    rot_cols (<= N), one int64 position per row of x, and a float32 [*, head_dim] table on
+    x's device."""
+    n = w.out_features
+    return (
+        head_dim % (2 * TILE_N) == 0
+        and n % head_dim == 0
+        and rot_cols % head_dim == 0
+        and 0 <= rot_cols <= n
+        and positions.dim() == 1
+        and positions.dtype == torch.int64
+        and positions.device == x.device
+        and positions.numel() == x.reshape(-1, x.shape[-1]).size(0)
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.dim() == 2
+        and cos_sin_cache.size(1) == head_dim
+        and cos_sin_cache.stride(1) == 1
+        and cos_sin_cache.device == x.device
+        and x.dtype == w.scales.dtype
+        and supports(w, x)
+    )
+
+
+def w4_gemv_rope(
+    x: torch.Tensor,  # [M, K] float16 / bfloat16, 1..MAX_M rows
+    w: "PackedWeights | RepackedWeights",  # q | k | v heads of head_dim columns
+    repacked: torch.Tensor,  # repack(w)
+    positions: torch.Tensor,  # [M] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] float32, [cos | sin]
+    head_dim: int,
+    rot_cols: int,  # the q and k heads' columns (rotated); the rest (v) is not
+    bias: torch.Tensor | None = None,  # [N]
+    pdl: bool | None = None,
+    num_warps: int | None = None,  # None: pick_gemv_config's for two tiles per block
+) -> torch.Tensor:  # [M, N], x's dtype
+    """x @ W^T (+ bias) with the rotary embedding (neox layout: column d of a head with d +
+    head_dim / 2) applied to the first `rot_cols` columns in the same kernel, as
+    `fused_ops.rotary_embedding` computes it from the output rounded to x's dtype; the caller
+    checks `supports_rope` first. ValueError for num_warps outside 1..16."""
+    x2 = x.reshape(-1, x.shape[-1])
+    n, k = w.out_features, x2.size(1)
+    config = epilogue_config(n, k, num_warps)
+    half = head_dim // 2
+    out = _launch_gemv(
+        x2, w, repacked, bias, n, config, pdl, EPI_ROPE, half // TILE_N, positions,
+        cos_sin_cache, rot_cols, half,
+    )  # fmt: skip
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -104,6 +104,32 @@ class LinearMethodBase:
         """The layer's output x W^T + bias from its registered parameters."""
         raise NotImplementedError
 
+    def apply_silu_and_mul(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [num_tokens, input_size_per_partition] float
+        bias: torch.Tensor | None = None,  # [output_size_per_partition]
+    ) -> torch.Tensor | None:  # [num_tokens, output_size_per_partition / 2], x's dtype
+        """silu(gate) * up of the layer's [gate | up] output computed in one kernel, or None
+        where this method has no such kernel for x (the caller then runs `apply` and the
+        activation). None here."""
+        return None
+
+    def apply_rope(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [num_tokens, input_size_per_partition] float
+        bias: torch.Tensor | None,  # [output_size_per_partition]
+        positions: torch.Tensor,  # [num_tokens] int64
+        cos_sin_cache: torch.Tensor,  # [max_positions, head_dim] float32, [cos | sin]
+        head_dim: int,
+        rot_cols: int,  # the q and k heads' columns, rotated; the rest (v) is not
+    ) -> torch.Tensor | None:  # [num_tokens, output_size_per_partition], x's dtype
+        """The layer's qkv output with the rotary embedding (neox layout) of its first
+        `rot_cols` columns applied in the same kernel, or None where this method has no such
+        kernel for x (the caller then runs `apply` and the rotary embedding). None here."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """A plain weight [output_size_per_partition, input_size_per_partition] in params_dtype."""
@@ -185,6 +211,54 @@ class DequantizingLinearMethod(LinearMethodBase):
             return w4_linear(x, packed, bias)
         out = x @ self.dequantize(layer).to(x.dtype)
         return out + bias if bias is not None else out
+
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The CUDA W4A16 GEMV's SwiGLU epilogue (`w4_gemv_cuda.w4_gemv_silu_and_mul`: 1..8
+        rows of x, PAGEDSERVE_W4_EPILOGUES on), else None."""
+        packed = _cuda_weights(layer)
+        if packed is None:
+            return None
+        from pagedserve.layers.kernels import w4_gemv_cuda
+
+        if not w4_gemv_cuda.supports_silu_and_mul(packed, x):
+            return None
+        return w4_gemv_cuda.w4_gemv_silu_and_mul(x, packed, packed.repacked, bias)
+
+    def apply_rope(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        head_dim: int,
+        rot_cols: int,
+    ) -> torch.Tensor | None:
+        """The CUDA W4A16 GEMV's rotary epilogue (`w4_gemv_cuda.w4_gemv_rope`: 1..8 rows of
+        x, PAGEDSERVE_W4_EPILOGUES on), else None."""
+        packed = _cuda_weights(layer)
+        if packed is None:
+            return None
+        from pagedserve.layers.kernels import w4_gemv_cuda
+
+        if not w4_gemv_cuda.supports_rope(packed, x, positions, cos_sin_cache, head_dim, rot_cols):
+            return None
+        return w4_gemv_cuda.w4_gemv_rope(
+            x, packed, packed.repacked, positions, cos_sin_cache, head_dim, rot_cols, bias
+        )
+
+
+def _cuda_weights(layer: nn.Module) -> Any:
+    """The layer's CUDA kernels' `RepackedWeights` when it holds them and the fused
+    epilogues are on (envs.w4_epilogues), else None."""
+    from pagedserve import envs
+
+    packed = getattr(layer, "packed_weights", None)
+    if packed is None or isinstance(packed, PackedWeights) or not envs.w4_epilogues():
+        return None
+    return packed
 
 
 def _cuda_repacked(packed: PackedWeights) -> nn.Module:
