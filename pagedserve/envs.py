@@ -185,8 +185,8 @@ def w4_epilogues() -> bool:
     """PAGEDSERVE_W4_EPILOGUES: "1" (default) lets the W4A16 CUDA GEMV (4-bit decode, up to 8
     rows) finish a Llama-style layer's output itself: silu(gate) * up for gate_up_proj, the
     rotary embedding of q and k for qkv_proj (one kernel each instead of two); "0" runs the
-    separate activation / rotary kernels, to compare. Read at each call. Raises ValueError for
-    another value."""
+    separate activation / rotary kernels, to compare. Read once per process, at the first
+    such layer's call. Raises ValueError for another value."""
     return _switch(W4_EPILOGUES)
 
 

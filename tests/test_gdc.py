@@ -51,7 +51,7 @@ def test_trigger_variant_compiles_and_changes_no_value(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
     """RMSNorm (with residual) and SiLU-and-mul compiled with and without the early launch
-    signal (PDL_TRIGGER) give the same values."""
+    signal (RMSNorm's PDL, SiLU-and-mul's PDL_TRIGGER) give the same values."""
     from pagedserve import gdc
     from pagedserve.gdc import pdl_trigger
     from pagedserve.layers.kernels.fused_ops import rms_norm, silu_and_mul

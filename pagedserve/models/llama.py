@@ -100,12 +100,13 @@ class LlamaAttention(nn.Module):
             quant_config,
         )
         self.rotary_emb = rotary_emb  # shared by all layers
-        # Plain RoPE over whole heads (not M-RoPE's three positions): what the qkv layer's
-        # `forward_rope` can apply.
-        self.rope_fusable = (
-            type(rotary_emb) is RotaryEmbedding and rotary_emb.head_dim == self.head_dim
-        )
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def rope_fusable(self) -> bool:
+        """Whether the rotary embedding is one the qkv layer's `forward_rope` can apply: plain
+        RoPE over whole heads (not M-RoPE, which a VLM may swap in after construction)."""
+        rope = self.rotary_emb
+        return type(rope) is RotaryEmbedding and rope.head_dim == self.head_dim
 
     @classmethod
     def projection_biases(cls, hf_config: Any) -> tuple[bool, bool]:
@@ -127,7 +128,7 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size] float
         qkv = None
-        if self.rope_fusable and positions.dim() == 1:  # the 4-bit GEMV rotates q and k itself
+        if positions.dim() == 1 and self.rope_fusable():  # the 4-bit GEMV rotates q and k
             qkv = self.qkv_proj.forward_rope(
                 hidden_states,
                 positions,

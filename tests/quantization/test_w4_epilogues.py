@@ -17,10 +17,17 @@ import torch
 
 from pagedserve import envs
 from pagedserve.layers.kernels import w4_gemv_cuda
-from pagedserve.layers.quantization.base import DequantizingLinearMethod
+from pagedserve.layers.quantization.base import DequantizingLinearMethod, epilogues_enabled
 
 from .test_gptq_models import CONFIG, PROMPTS, float_model  # noqa: F401 (float_model: a fixture)
 from .test_w4_gemv_cuda import RTOL, random_weights
+
+
+@pytest.fixture(autouse=True)
+def _fresh_switch() -> Any:
+    """The switch is read once per process: forget it after tests that change it."""
+    yield
+    epilogues_enabled.cache_clear()
 
 
 def assert_within_an_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -65,7 +72,7 @@ def test_llama_attention_takes_the_fused_rotary_when_the_layer_gives_one() -> No
     torch.manual_seed(0)
     rope = get_rope(CONFIG, 32)
     attention = LlamaAttention(CONFIG, rope)
-    assert attention.rope_fusable
+    assert attention.rope_fusable()
     seen: list[tuple[torch.Tensor, ...]] = []
 
     class Recorder(torch.nn.Module):  # stands in for the paged attention
@@ -115,10 +122,14 @@ def test_no_fused_path_without_the_cuda_weights_or_when_switched_off(
     assert method.apply_silu_and_mul(holder, x) is None  # no packed_weights: CPU reference
     holder.packed_weights = object()  # stands in for RepackedWeights
     monkeypatch.setenv(envs.W4_EPILOGUES, "0")
+    epilogues_enabled.cache_clear()
     assert method.apply_silu_and_mul(holder, x) is None
     monkeypatch.setenv(envs.W4_EPILOGUES, "2")
+    epilogues_enabled.cache_clear()
     with pytest.raises(ValueError, match="PAGEDSERVE_W4_EPILOGUES"):
         method.apply_silu_and_mul(holder, x)
+    monkeypatch.delenv(envs.W4_EPILOGUES)
+    epilogues_enabled.cache_clear()
 
 
 def _cuda_or_skip() -> None:
@@ -228,6 +239,7 @@ def test_gptq_model_with_and_without_the_epilogues(
     outputs = []
     for switch in ("1", "0"):
         monkeypatch.setenv(envs.W4_EPILOGUES, switch)
+        epilogues_enabled.cache_clear()
         with LLM(
             str(path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64,
             num_gpu_blocks_override=128,

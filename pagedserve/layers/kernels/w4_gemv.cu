@@ -479,6 +479,18 @@ bool w4_gemv_out(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
   TORCH_CHECK(epilogue == w4::kEpiNone || period >= 1, "w4_gemv: bad epilogue period");
   TORCH_CHECK(epilogue != w4::kEpiRope || (positions.has_value() && cos_sin.has_value()),
               "w4_gemv: the rotary epilogue needs positions and cos_sin");
+  // The epilogues store without column checks: their geometry must be exact (w4_gemv_cuda's
+  // supports_* check it first; this keeps a direct call from writing past `out`).
+  const int64_t n_w = epilogue == w4::kEpiSiluMul ? 2 * out.size(1) : out.size(1);
+  TORCH_CHECK(epilogue != w4::kEpiSiluMul || (n_w % 32 == 0 && period == n_w / 32),
+              "w4_gemv: the SiLU epilogue needs N a multiple of 32 and period N / 32");
+  TORCH_CHECK(epilogue != w4::kEpiRope ||
+                  (half % 16 == 0 && period == half / 16 && n_w % (2 * half) == 0 &&
+                   rot_cols % (2 * half) == 0 && rot_cols <= n_w &&
+                   cos_sin->size(1) >= 2 * half && cos_sin->stride(1) == 1 &&
+                   positions->numel() >= x.size(0) && positions->stride(0) == 1),
+              "w4_gemv: the rotary epilogue needs half a multiple of 16, period half / 16, "
+              "N and rot_cols multiples of 2 half, a [*, 2 half] table and one position per row");
   w4::Epilogue epi = {};
   epi.period = static_cast<int>(period);
   if (epilogue == w4::kEpiRope) {

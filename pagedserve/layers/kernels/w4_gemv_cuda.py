@@ -32,8 +32,10 @@ Fused epilogues (`w4_gemv_silu_and_mul`, `w4_gemv_rope`): a block's two tiles ca
 columns instead of neighbours, so that the GEMV finishes a layer's output itself: silu(gate) *
 up of a [gate | up] layer (its N / 2 columns out), or the rotary embedding of a qkv layer's q
 and k heads (column d of a head with its partner d + head_dim / 2). Each sum is rounded to x's
-dtype first, as the plain GEMV's output is, so the result equals the GEMV followed by the
-separate kernel up to that kernel's own fp32 rounding. One kernel instead of two per layer at
+dtype first, as the plain GEMV's output is, so the result equals the GEMV with the same
+num_warps followed by the separate kernel, up to that kernel's own fp32 rounding (the fused
+GEMV has two tiles per block, so its default warps, and with them the fp32 sums' order, may
+differ from the plain GEMV's pick). One kernel instead of two per layer at
 decode: the activation's and the rotary's launches and their reads and writes of the output.
 
 Programmatic dependent launch (compute capability 9.0+, `use_pdl`): the GEMV is launched with
@@ -350,6 +352,7 @@ def supports_rope(
         and rot_cols % head_dim == 0
         and 0 <= rot_cols <= n
         and positions.dim() == 1
+        and positions.stride(0) == 1
         and positions.dtype == torch.int64
         and positions.device == x.device
         and positions.numel() == x.reshape(-1, x.shape[-1]).size(0)

@@ -2,6 +2,7 @@
 `LinearMethodBase`: a method registers its parameters on the layer (`create_weights`) and
 computes the layer's output from them (`apply`)."""
 
+import functools
 from typing import Any, cast
 
 import torch
@@ -252,13 +253,21 @@ class DequantizingLinearMethod(LinearMethodBase):
 
 def _cuda_weights(layer: nn.Module) -> Any:
     """The layer's CUDA kernels' `RepackedWeights` when it holds them and the fused
-    epilogues are on (envs.w4_epilogues), else None."""
-    from pagedserve import envs
-
+    epilogues are on (`epilogues_enabled`), else None."""
     packed = getattr(layer, "packed_weights", None)
-    if packed is None or isinstance(packed, PackedWeights) or not envs.w4_epilogues():
+    if packed is None or isinstance(packed, PackedWeights) or not epilogues_enabled():
         return None
     return packed
+
+
+@functools.cache
+def epilogues_enabled() -> bool:
+    """envs.w4_epilogues, read once per process (the layers ask on every eager decode call;
+    CUDA graphs freeze the choice at capture anyway). Tests that change it call
+    `epilogues_enabled.cache_clear()`."""
+    from pagedserve import envs
+
+    return envs.w4_epilogues()
 
 
 def _cuda_repacked(packed: PackedWeights) -> nn.Module:
