@@ -49,3 +49,34 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """Fold the request's next output into this one (vLLM's `RequestOutput.add`):
+        `aggregate` (DELTA outputs) appends each completion's new text, tokens and logprobs
+        to the one of the same index; otherwise (cumulative outputs, which carry everything)
+        the newer completion replaces it. A completion index not seen yet is appended. The
+        newer finish and stop reasons, cumulative logprob, finished flag, cached-token count
+        and metrics win; prompt logprobs stay the first output's (later DELTA outputs carry
+        none)."""
+        for completion in next_output.outputs:
+            for i, mine in enumerate(self.outputs):
+                if mine.index != completion.index:
+                    continue
+                if aggregate:
+                    mine.text += completion.text
+                    mine.token_ids = [*mine.token_ids, *completion.token_ids]
+                    if completion.logprobs is not None:
+                        mine.logprobs = [*(mine.logprobs or []), *completion.logprobs]
+                    mine.cumulative_logprob = completion.cumulative_logprob
+                    mine.finish_reason = completion.finish_reason
+                    mine.stop_reason = completion.stop_reason
+                else:
+                    self.outputs[i] = completion
+                break
+            else:
+                self.outputs.append(completion)
+        if not aggregate or not self.prompt_logprobs:
+            self.prompt_logprobs = next_output.prompt_logprobs or self.prompt_logprobs
+        self.finished = next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.metrics = next_output.metrics or self.metrics

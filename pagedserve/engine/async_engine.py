@@ -222,7 +222,7 @@ class AsyncLLMEngine:
         num_prompt_tokens = len(processed.prompt_token_ids)
         max_tokens = processed.sampling_params.max_tokens
         assert max_tokens is not None  # resolved by the input processor
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, processed.sampling_params.output_kind)
         self.streams[request_id] = stream
         self.engine_metrics[index].record_arrival(
             request_id,
