@@ -57,26 +57,38 @@ class RequestOutput:
         the newer completion replaces it. A completion index not seen yet is appended. The
         newer finish and stop reasons, cumulative logprob, finished flag, cached-token count
         and metrics win; prompt logprobs stay the first output's (later DELTA outputs carry
-        none)."""
-        for completion in next_output.outputs:
-            for i, mine in enumerate(self.outputs):
-                if mine.index != completion.index:
-                    continue
-                if aggregate:
-                    mine.text += completion.text
-                    mine.token_ids = [*mine.token_ids, *completion.token_ids]
-                    if completion.logprobs is not None:
-                        mine.logprobs = [*(mine.logprobs or []), *completion.logprobs]
-                    mine.cumulative_logprob = completion.cumulative_logprob
-                    mine.finish_reason = completion.finish_reason
-                    mine.stop_reason = completion.stop_reason
+        none). Token and logprob lists grow in place: a DELTA output's lists are its own."""
+        self.add_all([next_output], aggregate)
+
+    def add_all(self, next_outputs: list["RequestOutput"], aggregate: bool) -> None:
+        """`add` each of `next_outputs` in order, each completion's text joined once (a
+        backlog of thousands of outputs merges in linear time)."""
+        pieces: dict[int, list[str]] = {}  # completion index -> texts to append
+        for next_output in next_outputs:
+            for completion in next_output.outputs:
+                for i, mine in enumerate(self.outputs):
+                    if mine.index != completion.index:
+                        continue
+                    if aggregate:
+                        pieces.setdefault(mine.index, [mine.text]).append(completion.text)
+                        mine.token_ids.extend(completion.token_ids)
+                        if completion.logprobs is not None:
+                            if mine.logprobs is None:
+                                mine.logprobs = []
+                            mine.logprobs.extend(completion.logprobs)
+                        mine.cumulative_logprob = completion.cumulative_logprob
+                        mine.finish_reason = completion.finish_reason
+                        mine.stop_reason = completion.stop_reason
+                    else:
+                        self.outputs[i] = completion
+                    break
                 else:
-                    self.outputs[i] = completion
-                break
-            else:
-                self.outputs.append(completion)
-        if not aggregate or not self.prompt_logprobs:
-            self.prompt_logprobs = next_output.prompt_logprobs or self.prompt_logprobs
-        self.finished = next_output.finished
-        self.num_cached_tokens = next_output.num_cached_tokens
-        self.metrics = next_output.metrics or self.metrics
+                    self.outputs.append(completion)
+            if not aggregate or not self.prompt_logprobs:
+                self.prompt_logprobs = next_output.prompt_logprobs or self.prompt_logprobs
+            self.finished = next_output.finished
+            self.num_cached_tokens = next_output.num_cached_tokens
+            self.metrics = next_output.metrics or self.metrics
+        for mine in self.outputs:
+            if mine.index in pieces:
+                mine.text = "".join(pieces[mine.index])

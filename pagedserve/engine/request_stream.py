@@ -37,11 +37,16 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        while self.merge and not item.finished and not self.queue.empty():
+        backlog: list[RequestOutput] = []
+        last = item
+        while self.merge and not last.finished and not self.queue.empty():
             following = self.queue.get_nowait()
             if isinstance(following, BaseException):
                 self._error = following  # raised by the next call, after these outputs
                 break
-            item.add(following, self.aggregate)
+            backlog.append(following)
+            last = following
+        if backlog:
+            item.add_all(backlog, self.aggregate)
         self.finished = item.finished
         return item

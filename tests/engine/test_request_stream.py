@@ -113,3 +113,15 @@ def test_an_error_behind_queued_outputs_comes_after_them() -> None:
         return first.outputs[0].text, stream.finished
 
     assert asyncio.run(run()) == ("ab", True)
+
+
+def test_a_long_backlog_merges_whole() -> None:
+    """10,000 queued DELTA outputs (a client that stopped reading) merge into one with every
+    token, logprob and character, in order."""
+    stream = RequestStream("r", RequestOutputKind.DELTA)
+    for i in range(10_000):
+        stream.queue.put_nowait(output([(0, "ab", [i])], finished=i == 9_999))
+    (merged,) = drain(stream)
+    completion = merged.outputs[0]
+    assert completion.token_ids == list(range(10_000))
+    assert len(completion.logprobs or []) == 10_000 and completion.text == "ab" * 10_000

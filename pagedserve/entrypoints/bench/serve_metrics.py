@@ -88,9 +88,11 @@ def calculate_metrics(
 
 
 def _peaks(outputs: list[RequestOutput]) -> tuple[float, int]:
-    """The most streamed chunks (tokens) in one whole second of the run (vLLM's peak output
-    throughput), and the most requests in flight at one moment (a sweep over their starts
-    and ends; vLLM buckets this by second too, which counts requests that never overlapped)."""
+    """The most streamed chunks in one whole second of the run (vLLM's peak output
+    throughput; a chunk is one token unless the server merged a backlog of outputs into
+    it, and vLLM's benchmark counts chunks too), and the most requests in flight at one
+    moment (a sweep over their starts and ends; vLLM buckets this by second too, which counts
+    requests that never overlapped)."""
     if not outputs:
         return 0.0, 0
     origin = min(o.start for o in outputs)

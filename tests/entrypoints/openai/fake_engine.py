@@ -124,7 +124,7 @@ class FakeEngine:
             if child_params.temperature > 0:
                 offset += index if child_params.seed is None else child_params.seed
             self.children[child.request_id] = _Child(child, offset, -0.1 * (index + 1))
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, processed.sampling_params.output_kind)  # merges
         self.streams[request_id] = stream
         self.added.append(request_id)
         self._wakeup()

@@ -103,7 +103,8 @@ def test_auto_tool_call_with_reasoning(fake_app_factory: Any) -> None:
     assert streamed_call["function"] == {"name": "get_weather", "arguments": ARGUMENTS}
     first = streamed["first"][0]
     assert first["id"].startswith("chatcmpl-tool-") and first["type"] == "function"
-    assert first["function"]["arguments"] == ""  # the arguments follow in later deltas
+    # the arguments follow in later deltas (the first may carry some when outputs merged)
+    assert ARGUMENTS.startswith(first["function"]["arguments"])
     assert sum(1 for e in events[:-1] for c in e["choices"] if c["delta"].get("tool_calls")) > 2
     # The official client's stream helper joins the deltas the same way.
     with client.beta.chat.completions.stream(
